@@ -1,0 +1,223 @@
+"""Lease transitions outside the scheduling pass: claims, suspend, resume, keep, release.
+
+Each function checks that the transition is allowed, and returns the new record; the caller
+persists it. Nothing here reads a clock: ``now`` is passed in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Iterable, Sequence
+
+from .model import (
+    EXCLUSIVE,
+    HOLDING,
+    MODES,
+    ConflictError,
+    Device,
+    Lease,
+    LeaseState,
+    SchedConfig,
+    SchedulingError,
+    Step,
+)
+from .placement import capacity_for, schedulable
+from .units import format_bytes
+
+
+def new_claim(
+    lease_id: str,
+    kernel_id: str,
+    user: str,
+    now: float,
+    *,
+    count: object = 1,
+    memory: int | None = None,
+    mode: object = EXCLUSIVE,
+    priority: object = 0,
+    groups: Iterable[str] = (),
+    gaps: Sequence[float] = (),
+) -> Lease:
+    """A pending lease for a claim, with its fields checked."""
+    if isinstance(count, bool) or not isinstance(count, int):
+        raise SchedulingError(f"count must be a whole number of GPUs, not {count!r}")
+    if count < 1:
+        raise SchedulingError(f"count must be at least 1 GPU, not {count}")
+    if mode not in MODES:
+        raise SchedulingError(f"mode must be 'exclusive' or 'shared', not {mode!r}")
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise SchedulingError(f"priority must be a whole number, not {priority!r}")
+    if not kernel_id or not isinstance(kernel_id, str):
+        raise SchedulingError("kernel_id must be a non-empty string")
+    return Lease(
+        id=lease_id,
+        kernel_id=kernel_id,
+        user=user,
+        count=count,
+        memory=memory,
+        mode=str(mode),
+        priority=priority,
+        groups=tuple(groups),
+        created_at=now,
+        queued_at=now,
+        last_active_at=now,
+        gaps=tuple(gaps),
+        reason="waiting for a GPU",
+    )
+
+
+def admit(claim: Lease, devices: Sequence[Device], leases: Iterable[Lease], cfg: SchedConfig) -> None:
+    """Raise a clear error if ``claim`` can never be served or clashes with live leases."""
+    leases = list(leases)
+    healthy = schedulable(devices)
+    if not healthy:
+        if devices:
+            raise SchedulingError("every GPU on this host is drained or lost; none can be granted now")
+        raise SchedulingError("this host has no GPUs to schedule")
+    if claim.memory is not None:
+        largest = max(d.memory_total for d in healthy)
+        if claim.memory > largest:
+            raise SchedulingError(
+                f"memory {format_bytes(claim.memory)} per GPU is more than the largest GPU here "
+                f"({format_bytes(largest)})"
+            )
+    room = capacity_for(claim, devices)
+    if claim.count > room:
+        total = len(healthy)
+        raise SchedulingError(
+            f"asked for {claim.count} GPU{'s' if claim.count != 1 else ''} but only {room} of the "
+            f"{total} healthy GPU{'s' if total != 1 else ''} here could hold such a claim"
+        )
+    for lease in leases:
+        if lease.kernel_id == claim.kernel_id and lease.live and lease.id != claim.id:
+            raise ConflictError(
+                f"kernel {claim.kernel_id} already has lease {lease.id} ({lease.state.value}); "
+                "release it first or use it"
+            )
+    if cfg.max_pending_per_user > 0:
+        pending = sum(1 for le in leases if le.user == claim.user and le.state == LeaseState.PENDING)
+        if pending >= cfg.max_pending_per_user:
+            raise ConflictError(
+                f"user {claim.user} already has {pending} claims waiting (the limit is "
+                f"{cfg.max_pending_per_user}); release or wait for one first"
+            )
+
+
+def suspended(lease: Lease, now: float, memory_held: int | None = None) -> Lease:
+    """The GPU state was checkpointed: the devices are free, the kernel keeps its claim."""
+    if lease.state not in HOLDING:
+        raise ConflictError(f"lease {lease.id} is {lease.state.value}; only a held lease can be suspended")
+    held = memory_held if memory_held is not None else lease.memory_held
+    return replace(
+        lease,
+        state=LeaseState.SUSPENDED,
+        home=lease.devices,
+        devices=(),
+        memory_held=held,
+        reclaim_at=None,
+        reclaim_step=None,
+        busy=False,
+        reason="suspended: GPU state checkpointed to host memory; the next cell restores it",
+        version=lease.version + 1,
+    )
+
+
+def request_resume(lease: Lease, now: float) -> Lease:
+    """The kernel wants to run again: a suspended lease joins the queue to be restored."""
+    if lease.state != LeaseState.SUSPENDED:
+        raise ConflictError(f"lease {lease.id} is {lease.state.value}, not suspended")
+    return replace(
+        lease,
+        state=LeaseState.PENDING,
+        queued_at=now,
+        last_active_at=now,
+        reason="waiting for a GPU to restore onto",
+        version=lease.version + 1,
+    )
+
+
+def released(lease: Lease, now: float, reason: str) -> Lease:
+    """The lease is over; released twice is released once."""
+    if lease.state == LeaseState.RELEASED:
+        return lease
+    return replace(
+        lease,
+        state=LeaseState.RELEASED,
+        devices=(),
+        released_at=now,
+        reclaim_at=None,
+        reclaim_step=None,
+        busy=False,
+        reason=reason,
+        version=lease.version + 1,
+    )
+
+
+def step_failed(lease: Lease, step: Step, reason: str) -> Lease:
+    """A reclaim step could not be carried out: the next pass tries the next one."""
+    if lease.state != LeaseState.RECLAIMING:
+        return lease
+    return replace(
+        lease,
+        state=LeaseState.IDLE,
+        reclaim_at=None,
+        reclaim_step=None,
+        tried_steps=(*lease.tried_steps, step),
+        reason=f"{step.value} failed: {reason}",
+        version=lease.version + 1,
+    )
+
+
+def step_done(lease: Lease, step: Step, reason: str) -> Lease:
+    """A step that frees memory but not the device (``free-cache``) was carried out."""
+    if lease.state != LeaseState.RECLAIMING:
+        return lease
+    return replace(
+        lease,
+        state=LeaseState.IDLE,
+        reclaim_at=None,
+        reclaim_step=None,
+        tried_steps=(*lease.tried_steps, step),
+        reason=reason,
+        version=lease.version + 1,
+    )
+
+
+def keep(lease: Lease, seconds: float, now: float, cfg: SchedConfig) -> Lease:
+    """Pin a lease against idle reclaim for ``seconds`` (at most ``max_keep``); 0 unpins."""
+    if not lease.live:
+        raise ConflictError(f"lease {lease.id} is released; there is nothing to keep")
+    if seconds < 0:
+        raise SchedulingError("keep needs 0 or more seconds")
+    if seconds > cfg.max_keep:
+        raise SchedulingError(
+            f"keep is limited to {cfg.max_keep:.0f} seconds on this server (asked for {seconds:.0f})"
+        )
+    until = now + seconds if seconds > 0 else None
+    state = lease.state
+    reason = lease.reason
+    if state == LeaseState.RECLAIMING and until is not None:
+        state = LeaseState.ACTIVE
+        reason = "reclaim cancelled: kept by the user"
+    return replace(
+        lease,
+        keep_until=until,
+        state=state,
+        reclaim_at=None if state != LeaseState.RECLAIMING else lease.reclaim_at,
+        reclaim_step=None if state != LeaseState.RECLAIMING else lease.reclaim_step,
+        last_active_at=now if until is not None else lease.last_active_at,
+        reason=reason,
+        version=lease.version + 1,
+    )
+
+
+def device_lost(lease: Lease, uuid: str, index: int, now: float) -> Lease:
+    """A device of the lease fell off the bus: the lease cannot be used any more."""
+    return released(lease, now, f"GPU {index} ({uuid}) was lost; the kernel's GPU state on it is gone")
+
+
+def touch(lease: Lease, now: float) -> Lease:
+    """The kernel is about to run a cell on a held lease."""
+    if lease.state not in HOLDING:
+        return lease
+    return replace(lease, last_active_at=now, version=lease.version + 1)

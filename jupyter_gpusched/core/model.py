@@ -1,0 +1,269 @@
+"""The scheduling model: devices, leases, kernel activity and configuration.
+
+Everything here is a frozen dataclass. The core never mutates a record: it returns new ones with
+``dataclasses.replace`` and a decision that says why.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Mapping
+
+GiB = 1024**3
+
+EXCLUSIVE = "exclusive"
+SHARED = "shared"
+MODES = (EXCLUSIVE, SHARED)
+
+POLICIES = ("static", "dynamic", "hybrid")
+FALLBACKS = ("restart", "shutdown", "none")
+
+
+class LeaseState(str, enum.Enum):
+    """Where a lease stands in its lifecycle (DESIGN section 4)."""
+
+    PENDING = "pending"
+    ACTIVE = "active"
+    IDLE = "idle"
+    RECLAIMING = "reclaiming"
+    SUSPENDED = "suspended"
+    RELEASED = "released"
+
+    def __str__(self) -> str:  # pragma: no cover - trivial
+        return self.value
+
+
+#: States in which a lease holds devices.
+HOLDING = frozenset({LeaseState.ACTIVE, LeaseState.IDLE, LeaseState.RECLAIMING})
+#: States in which a lease is still alive (not released).
+LIVE = frozenset(HOLDING | {LeaseState.PENDING, LeaseState.SUSPENDED})
+
+
+class Health(str, enum.Enum):
+    OK = "ok"
+    LOST = "lost"
+    DRAINED = "drained"
+
+    def __str__(self) -> str:  # pragma: no cover - trivial
+        return self.value
+
+
+class Step(str, enum.Enum):
+    """Steps of the reclaim ladder, cheapest first (DESIGN section 6)."""
+
+    RELEASE = "release"
+    CHECKPOINT = "checkpoint"
+    FREE_CACHE = "free-cache"
+    RESTART = "restart"
+    SHUTDOWN = "shutdown"
+
+    def __str__(self) -> str:  # pragma: no cover - trivial
+        return self.value
+
+    @property
+    def disruptive(self) -> bool:
+        """Whether the step loses the kernel's state."""
+        return self in (Step.RESTART, Step.SHUTDOWN)
+
+
+class SchedulingError(ValueError):
+    """A request the core cannot accept; the message is meant for a person."""
+
+
+class ConflictError(SchedulingError):
+    """A request that clashes with the current state (a second lease for one kernel, say)."""
+
+
+@dataclass(frozen=True)
+class Device:
+    """A schedulable GPU (a physical GPU or a MIG instance) as the core sees it.
+
+    ``group`` names a set of well-connected devices (an NVLink clique or one PCIe switch);
+    multi-GPU claims prefer devices of one group. ``parent`` is the physical GPU of a MIG
+    instance.
+    """
+
+    uuid: str
+    index: int
+    name: str = "GPU"
+    memory_total: int = 80 * GiB
+    health: Health = Health.OK
+    group: str | None = None
+    parent: str | None = None
+    utilization: float | None = None
+    memory_used: int | None = None
+
+    @property
+    def schedulable(self) -> bool:
+        return self.health == Health.OK
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A claim and, once granted, the lease on its devices.
+
+    ``last_active_at`` is the last moment the kernel executed code or used its GPU; every idle
+    clock runs from it. ``gaps`` holds the kernel's recent idle spells (seconds) that the adaptive
+    idle timeout learns from. ``home`` lists the devices a suspended lease last ran on, so that a
+    restore can go back there. ``memory_held`` is what the kernel's processes held on the GPU
+    when last seen (``None``: unknown); a suspended lease keeps it as the size of its checkpoint.
+    ``tried_steps`` are the reclaim steps already tried since the kernel last ran.
+    """
+
+    id: str
+    kernel_id: str
+    user: str
+    count: int = 1
+    memory: int | None = None
+    mode: str = EXCLUSIVE
+    priority: int = 0
+    created_at: float = 0.0
+    groups: tuple[str, ...] = ()
+    state: LeaseState = LeaseState.PENDING
+    devices: tuple[str, ...] = ()
+    queued_at: float = 0.0
+    granted_at: float | None = None
+    last_active_at: float | None = None
+    busy: bool = False
+    reclaim_at: float | None = None
+    reclaim_step: Step | None = None
+    keep_until: float | None = None
+    home: tuple[str, ...] = ()
+    memory_held: int | None = None
+    tried_steps: tuple[Step, ...] = ()
+    gaps: tuple[float, ...] = ()
+    released_at: float | None = None
+    reason: str = ""
+    version: int = 0
+
+    @property
+    def holding(self) -> bool:
+        return self.state in HOLDING
+
+    @property
+    def live(self) -> bool:
+        return self.state in LIVE
+
+    @property
+    def waiting(self) -> bool:
+        return self.state == LeaseState.PENDING
+
+    def idle_seconds(self, now: float) -> float:
+        """Seconds since the kernel last executed or used its GPU (0 while busy)."""
+        if self.busy or self.last_active_at is None:
+            return 0.0
+        return max(0.0, now - self.last_active_at)
+
+    def promised_memory(self, device: Device) -> int:
+        """Bytes of ``device`` this lease has been promised."""
+        if self.mode == EXCLUSIVE or self.memory is None:
+            return device.memory_total
+        return self.memory
+
+
+@dataclass(frozen=True)
+class KernelActivity:
+    """What the arbiter observed of one kernel in this tick.
+
+    ``gpu_utilization`` is the kernel's own processes' share of the GPU in percent over the last
+    poll interval (``None`` where the driver cannot tell); ``gpu_memory`` the bytes its processes
+    hold on GPUs (``None`` if unknown, which the ladder treats as "holds memory").
+    """
+
+    kernel_id: str
+    busy: bool = False
+    last_busy_at: float | None = None
+    gpu_utilization: float | None = None
+    gpu_memory: int | None = None
+    alive: bool = True
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What the host's driver can do, found at start-up."""
+
+    checkpoint: bool = False
+    checkpoint_reason: str = "no checkpoint support detected"
+    remap: bool = False
+
+
+@dataclass(frozen=True)
+class SchedConfig:
+    """The scheduling knobs; defaults match ``GPUSchedApp`` (DESIGN section 8)."""
+
+    policy: str = "hybrid"
+    idle_timeout: float = 300.0
+    contended_idle_timeout: float = 60.0
+    release_timeout: float = 3600.0
+    grace_period: float = 60.0
+    reclaim_fallback: str = "restart"
+    checkpoint: str = "auto"
+    idle_utilization_threshold: float = 5.0
+    max_keep: float = 7200.0
+    quotas: Mapping[str, float] = field(default_factory=dict)
+    #: Learn each kernel's idle spells and adapt its timeouts (DESIGN section 5).
+    adaptive: bool = True
+    #: A claim blocked at the head of the fair queue for this long stops smaller claims from
+    #: jumping ahead of it (so that a large claim never starves).
+    backfill_wait: float = 120.0
+    #: At most this many pending claims per user (0 = no cap).
+    max_pending_per_user: int = 0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise SchedulingError(f"policy must be one of {', '.join(POLICIES)}, not {self.policy!r}")
+        if self.reclaim_fallback not in FALLBACKS:
+            raise SchedulingError(
+                f"reclaim_fallback must be one of {', '.join(FALLBACKS)}, not {self.reclaim_fallback!r}"
+            )
+        if self.checkpoint not in ("auto", "off"):
+            raise SchedulingError(f"checkpoint must be 'auto' or 'off', not {self.checkpoint!r}")
+        for name in ("idle_timeout", "contended_idle_timeout", "release_timeout", "grace_period", "max_keep"):
+            if getattr(self, name) < 0:
+                raise SchedulingError(f"{name} must be 0 or more seconds")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One thing the core decided, with the lease record as it is after the decision.
+
+    ``kind`` is one of: ``grant``, ``queue`` (position changed), ``active``, ``idle``,
+    ``reclaim`` (carry out ``lease.reclaim_step`` now), ``notice`` (a disruptive reclaim is
+    announced for ``lease.reclaim_at``), ``cancel`` (an announced reclaim is off), ``expire-keep``.
+    """
+
+    kind: str
+    lease: Lease
+    reason: str
+    position: int | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The outcome of one scheduling pass.
+
+    ``leases`` holds every lease record after the pass, ``changed`` the ids of those that differ
+    from the input (the arbiter persists exactly those), ``queue`` the pending lease ids in fair
+    order and ``next_wakeup`` the earliest time at which a pass could decide something new
+    without new input (``None``: nothing scheduled).
+    """
+
+    decisions: tuple[Decision, ...]
+    leases: tuple[Lease, ...]
+    changed: tuple[str, ...]
+    queue: tuple[str, ...]
+    next_wakeup: float | None
+
+    def lease(self, lease_id: str) -> Lease | None:
+        for lease in self.leases:
+            if lease.id == lease_id:
+                return lease
+        return None
+
+    def position(self, lease_id: str) -> int | None:
+        """1-based place of a pending lease in the fair queue."""
+        try:
+            return self.queue.index(lease_id) + 1
+        except ValueError:
+            return None

@@ -1,0 +1,128 @@
+"""Placement: which devices a claim gets.
+
+``exclusive`` claims take devices nobody holds, least loaded first. ``shared`` claims take the
+device whose free promised memory fits them most tightly (best fit), so that large holes stay open
+for large claims. Multi-GPU claims prefer devices of one ``group`` (NVLink clique or PCIe switch).
+A physical GPU split into MIG instances is never handed out whole; drained and lost devices are
+never chosen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from .model import EXCLUSIVE, Device, Lease
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    """What the live leases have been promised on one device."""
+
+    exclusive: bool
+    promised: int
+    holders: int
+
+
+def occupancy(devices: Sequence[Device], leases: Iterable[Lease]) -> dict[str, Occupancy]:
+    """Promised memory and exclusivity per device uuid, from the leases that hold devices."""
+    by_uuid = {d.uuid: d for d in devices}
+    excl: dict[str, bool] = {d.uuid: False for d in devices}
+    promised: dict[str, int] = {d.uuid: 0 for d in devices}
+    holders: dict[str, int] = {d.uuid: 0 for d in devices}
+    for lease in leases:
+        if not lease.holding:
+            continue
+        for uuid in lease.devices:
+            device = by_uuid.get(uuid)
+            if device is None:
+                continue
+            holders[uuid] += 1
+            if lease.mode == EXCLUSIVE:
+                excl[uuid] = True
+            promised[uuid] += lease.promised_memory(device)
+    return {u: Occupancy(excl[u], promised[u], holders[u]) for u in by_uuid}
+
+
+def schedulable(devices: Sequence[Device]) -> list[Device]:
+    """Healthy devices, without physical GPUs that are split into MIG instances."""
+    parents = {d.parent for d in devices if d.parent}
+    return [d for d in devices if d.schedulable and d.uuid not in parents]
+
+
+def fits(device: Device, occ: Occupancy, lease: Lease) -> bool:
+    """Whether ``lease`` can be placed on ``device`` next to what it already holds."""
+    if occ.exclusive:
+        return False
+    if lease.mode == EXCLUSIVE:
+        return occ.holders == 0
+    need = lease.promised_memory(device)
+    return occ.promised + need <= device.memory_total
+
+
+def _load_key(device: Device) -> tuple:
+    return (device.utilization or 0.0, device.memory_used or 0, device.index, device.uuid)
+
+
+def _order(lease: Lease, candidates: list[Device], occ: dict[str, Occupancy]) -> list[Device]:
+    if lease.mode == EXCLUSIVE:
+        return sorted(candidates, key=_load_key)
+
+    def leftover(device: Device) -> tuple:
+        left = device.memory_total - occ[device.uuid].promised - lease.promised_memory(device)
+        return (left, *_load_key(device))
+
+    return sorted(candidates, key=leftover)
+
+
+def place(
+    lease: Lease,
+    devices: Sequence[Device],
+    leases: Iterable[Lease],
+    *,
+    only: Iterable[str] | None = None,
+    same_model_as: Sequence[Device] = (),
+) -> tuple[tuple[str, ...], str] | None:
+    """Choose devices for ``lease`` or return ``None`` if it does not fit now.
+
+    ``only`` restricts the choice to these uuids (a restore that must go back home);
+    ``same_model_as`` to devices of the same model as those (a restore that may move).
+    Returns the chosen uuids and a reason.
+    """
+    occ = occupancy(devices, leases)
+    candidates = [d for d in schedulable(devices) if fits(d, occ[d.uuid], lease)]
+    if only is not None:
+        allowed = set(only)
+        candidates = [d for d in candidates if d.uuid in allowed]
+    if same_model_as:
+        models = {d.name for d in same_model_as}
+        candidates = [d for d in candidates if d.name in models]
+    if len(candidates) < lease.count:
+        return None
+    ordered = _order(lease, candidates, occ)
+    if lease.count == 1:
+        chosen = ordered[0]
+        how = "least loaded free GPU" if lease.mode == EXCLUSIVE else "best fit by memory"
+        return (chosen.uuid,), f"{how}: GPU {chosen.index}"
+
+    groups: dict[str, list[Device]] = {}
+    for device in ordered:
+        if device.group is not None:
+            groups.setdefault(device.group, []).append(device)
+    fitting = [(len(members), name) for name, members in groups.items() if len(members) >= lease.count]
+    if fitting:
+        # The tightest group keeps bigger groups whole for bigger claims.
+        _, name = min(fitting)
+        chosen_devices = groups[name][: lease.count]
+        indices = ", ".join(str(d.index) for d in chosen_devices)
+        return tuple(d.uuid for d in chosen_devices), f"GPUs {indices} in one NVLink group ({name})"
+    chosen_devices = ordered[: lease.count]
+    indices = ", ".join(str(d.index) for d in chosen_devices)
+    spans = " (no single NVLink group has enough free)" if groups else ""
+    return tuple(d.uuid for d in chosen_devices), f"GPUs {indices}{spans}"
+
+
+def capacity_for(lease: Lease, devices: Sequence[Device]) -> int:
+    """How many devices could ever hold a claim like this one (ignoring who holds them now)."""
+    empty = Occupancy(False, 0, 0)
+    return sum(1 for d in schedulable(devices) if fits(d, empty, lease))

@@ -1,0 +1,316 @@
+"""One scheduling pass: observe kernels, mark idle leases, reclaim, and grant in fair order.
+
+:func:`plan` is a pure function of its inputs. The arbiter calls it on every reconcile tick (and
+whenever a claim arrives) inside one ledger transaction, persists ``Plan.changed`` and carries out
+the ``reclaim`` decisions; the simulator calls it on its virtual clock. Same inputs, same plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Iterable, Mapping, Sequence
+
+from . import fairness, idle, ladder
+from .model import (
+    Capabilities,
+    Decision,
+    Device,
+    KernelActivity,
+    Lease,
+    LeaseState,
+    Plan,
+    SchedConfig,
+    Step,
+)
+from .placement import capacity_for, place
+
+
+class _Limits:
+    """Adaptive timeouts per lease, computed once per pass on first use."""
+
+    def __init__(self, prior: list[float], cfg: SchedConfig) -> None:
+        self.prior = prior
+        self.cfg = cfg
+        self.cache: dict[str, idle.Timeouts] = {}
+
+    def of(self, lease: Lease) -> idle.Timeouts:
+        found = self.cache.get(lease.id)
+        if found is None:
+            found = self.cache[lease.id] = idle.timeouts(lease, self.prior, self.cfg)
+        return found
+
+
+class _Pass:
+    def __init__(self, devices, leases, activity, now, cfg, caps) -> None:
+        self.devices: Sequence[Device] = tuple(devices)
+        self.by_uuid = {d.uuid: d for d in self.devices}
+        self.input = {lease.id: lease for lease in leases}
+        self.leases: dict[str, Lease] = dict(self.input)
+        self.activity = activity
+        self.now = now
+        self.cfg = cfg
+        self.caps = caps
+        self.decisions: list[Decision] = []
+        self.wakeups: list[float] = []
+
+    # -- helpers ---------------------------------------------------------------------------
+    def set(self, lease: Lease, kind: str | None = None, reason: str = "", position: int | None = None) -> Lease:
+        if lease != self.input.get(lease.id) and lease.version == self.input[lease.id].version:
+            lease = replace(lease, version=lease.version + 1)
+        self.leases[lease.id] = lease
+        if kind is not None:
+            self.decisions.append(Decision(kind, lease, reason, position))
+        return lease
+
+    def wake(self, at: float | None) -> None:
+        if at is not None and at > self.now:
+            self.wakeups.append(at)
+
+    def live(self) -> list[Lease]:
+        return [le for le in self.leases.values() if le.live]
+
+    def pinned(self, lease: Lease) -> bool:
+        return lease.keep_until is not None and lease.keep_until > self.now
+
+    # -- the pass --------------------------------------------------------------------------
+    def run(self) -> Plan:
+        self.observe()
+        limits = _Limits(idle.host_prior(self.live()), self.cfg)
+        self.mark_idle(limits)
+        usage = fairness.Usage(self.live(), self.cfg.quotas, fairness.fair_share(self.devices, self.live()))
+        queue = fairness.fair_order(
+            [le for le in self.live() if le.state == LeaseState.PENDING], usage, self.now, self.cfg
+        )
+        blocked = self.grant(queue, usage)
+        wanted = self.victims_for(blocked, usage, limits)
+        wanted.update(self.uncontended(limits))
+        self.reclaim(wanted)
+        waiting = [le for le in queue if self.leases[le.id].state == LeaseState.PENDING]
+        for position, lease in enumerate(waiting, start=1):
+            current = self.leases[lease.id]
+            if self.input[lease.id].state != LeaseState.PENDING or current.reason != self.input[lease.id].reason:
+                self.set(current, "queue", current.reason, position)
+        changed = tuple(lid for lid, le in self.leases.items() if le != self.input[lid])
+        return Plan(
+            decisions=tuple(self.decisions),
+            leases=tuple(self.leases.values()),
+            changed=changed,
+            queue=tuple(le.id for le in waiting),
+            next_wakeup=min(self.wakeups) if self.wakeups else None,
+        )
+
+    def observe(self) -> None:
+        for lease in self.live():
+            if lease.state == LeaseState.PENDING:
+                continue
+            updated = idle.observe(lease, self.activity.get(lease.kernel_id), self.now, self.cfg)
+            if updated.keep_until is not None and updated.keep_until <= self.now:
+                updated = replace(updated, keep_until=None)
+            if updated is not lease:
+                self.set(updated)
+            self.wake(updated.keep_until)
+
+    def mark_idle(self, limits: _Limits) -> None:
+        for lease in self.live():
+            if not lease.holding:
+                continue
+            limit = limits.of(lease)
+            idle_for = lease.idle_seconds(self.now)
+            if lease.busy and lease.state != LeaseState.ACTIVE:
+                if lease.state == LeaseState.RECLAIMING and not (lease.reclaim_step or Step.RELEASE).disruptive:
+                    continue  # a checkpoint in progress finishes; the kernel's cell waits for the restore
+                kind = "cancel" if lease.state == LeaseState.RECLAIMING else "active"
+                reason = "the kernel is running again" + (": reclaim cancelled" if kind == "cancel" else "")
+                self.set(
+                    replace(lease, state=LeaseState.ACTIVE, reclaim_at=None, reclaim_step=None, reason=reason),
+                    kind,
+                    reason,
+                )
+            elif lease.state == LeaseState.ACTIVE and not lease.busy:
+                if idle_for >= limit.idle_after:
+                    reason = f"idle for {idle_for:.0f}s ({limit.reason})"
+                    self.set(replace(lease, state=LeaseState.IDLE, reason=reason), "idle", reason)
+                elif lease.last_active_at is not None:
+                    self.wake(lease.last_active_at + limit.idle_after)
+
+    # -- granting --------------------------------------------------------------------------
+    def placement_for(self, lease: Lease, leases: Iterable[Lease]):
+        if lease.home:
+            home = [self.by_uuid[u] for u in lease.home if u in self.by_uuid]
+            if self.caps.remap:
+                return place(lease, self.devices, leases, same_model_as=home or ())
+            return place(lease, self.devices, leases, only=lease.home)
+        return place(lease, self.devices, leases)
+
+    def grant(self, queue: list[Lease], usage: fairness.Usage) -> list[Lease]:
+        """Grant what fits in fair order; return the claims left waiting."""
+        blocked: list[Lease] = []
+        reserved = False
+        for lease in queue:
+            lease = self.leases[lease.id]
+            if reserved:
+                blocked.append(lease)
+                continue
+            chosen = self.placement_for(lease, self.live())
+            if chosen is None:
+                blocked.append(lease)
+                possible = capacity_for(lease, self.devices) >= lease.count
+                waited = self.now - lease.queued_at
+                if possible and waited >= self.cfg.backfill_wait:
+                    # Hold the line: nothing behind it is served until it is.
+                    reserved = True
+                elif possible:
+                    self.wake(lease.queued_at + self.cfg.backfill_wait)
+                why = self.why_waiting(lease, possible)
+                if why != lease.reason:
+                    self.set(replace(lease, reason=why))
+                continue
+            devices, reason = chosen
+            restored = bool(lease.home)
+            verb = "restored onto" if restored else "granted"
+            text = f"{verb} {reason}"
+            self.set(
+                replace(
+                    lease,
+                    state=LeaseState.ACTIVE,
+                    devices=devices,
+                    granted_at=self.now,
+                    last_active_at=self.now,
+                    busy=False,
+                    reclaim_at=None,
+                    reclaim_step=None,
+                    tried_steps=(),
+                    reason=text,
+                ),
+                "grant",
+                text,
+            )
+            usage.add(lease)
+        return blocked
+
+    def why_waiting(self, lease: Lease, possible: bool) -> str:
+        if not possible:
+            return "waiting: not enough healthy GPUs can hold this claim right now (drained or lost)"
+        if lease.home and not self.caps.remap:
+            return "waiting for the GPU it was checkpointed from to be free"
+        return "waiting for a GPU"
+
+    # -- reclaiming ------------------------------------------------------------------------
+    def victims_for(
+        self, blocked: list[Lease], usage: fairness.Usage, limits: _Limits
+    ) -> dict[str, str]:
+        """Idle leases to take back so that waiting claims fit, with the reason for each."""
+        if self.cfg.policy == "static" or not blocked:
+            return {}
+        borrowed = fairness.borrowed(self.live(), usage)
+        eligible: list[tuple[float, Lease]] = []
+        for lease in self.live():
+            if not lease.holding or lease.busy or self.pinned(lease):
+                continue
+            idle_for = lease.idle_seconds(self.now)
+            if self.cfg.policy == "dynamic":
+                threshold = limits.of(lease).idle_after
+            elif lease.id in borrowed:
+                threshold = min(limits.of(lease).idle_after, self.cfg.contended_idle_timeout)
+            else:
+                continue  # within quota: only the uncontended rules apply
+            if idle_for >= threshold:
+                eligible.append((idle_for, lease))
+            elif lease.last_active_at is not None:
+                self.wake(lease.last_active_at + threshold)
+        eligible.sort(key=lambda pair: (-pair[0], pair[1].id))
+        chosen: dict[str, str] = {}
+        freed: set[str] = set()
+        for claim in blocked:
+            if capacity_for(claim, self.devices) < claim.count:
+                continue
+            picked: list[str] = []
+            for idle_for, victim in eligible:
+                if victim.id in chosen or victim.id in picked:
+                    continue
+                picked.append(victim.id)
+                remaining = [le for le in self.live() if le.id not in freed and le.id not in picked]
+                if self.placement_for(claim, remaining) is not None:
+                    for vid in picked:
+                        who = "borrowed, " if vid in borrowed else ""
+                        chosen[vid] = f"{who}idle and {claim.user}'s claim {claim.id} is waiting"
+                        freed.add(vid)
+                    break
+        return chosen
+
+    def uncontended(self, limits: _Limits) -> dict[str, str]:
+        """Idle leases past their keep time (non-disruptive) or ``release_timeout`` (any step)."""
+        out: dict[str, str] = {}
+        if self.cfg.policy == "static":
+            return out
+        for lease in self.live():
+            if not lease.holding or lease.busy or self.pinned(lease) or lease.last_active_at is None:
+                continue
+            idle_for = lease.idle_seconds(self.now)
+            step, _ = ladder.choose_step(lease, self.cfg, self.caps)
+            gentle = step is not None and not step.disruptive
+            keep_after = limits.of(lease).keep_after
+            release_after = self.cfg.release_timeout if self.cfg.release_timeout > 0 else None
+            limit = keep_after if gentle else release_after
+            if limit is None:
+                continue
+            if idle_for >= limit:
+                out[lease.id] = f"idle for {idle_for:.0f}s (past {limit:.0f}s)"
+            else:
+                self.wake(lease.last_active_at + limit)
+        return out
+
+    def reclaim(self, wanted: Mapping[str, str]) -> None:
+        for lease in self.live():
+            in_progress = lease.reclaim_step is not None and not lease.reclaim_step.disruptive
+            if lease.state == LeaseState.RECLAIMING and lease.id not in wanted and not in_progress:
+                reason = "reclaim cancelled: no longer needed"
+                self.set(
+                    replace(lease, state=LeaseState.IDLE, reclaim_at=None, reclaim_step=None, reason=reason),
+                    "cancel",
+                    reason,
+                )
+        for lease_id in sorted(wanted):
+            lease = self.leases[lease_id]
+            why = wanted[lease_id]
+            if lease.state == LeaseState.RECLAIMING:
+                if lease.reclaim_step is not None and not lease.reclaim_step.disruptive:
+                    continue  # being carried out; the arbiter reports back
+                if lease.reclaim_at is not None and lease.reclaim_at <= self.now:
+                    self.set(lease, "reclaim", f"{lease.reclaim_step}: {why}")
+                else:
+                    self.wake(lease.reclaim_at)
+                continue
+            step, how = ladder.choose_step(lease, self.cfg, self.caps)
+            if step is None:
+                continue
+            if step.disruptive:
+                at = self.now + self.cfg.grace_period
+                reason = f"{why}; {how} in {self.cfg.grace_period:.0f}s unless it runs or is kept"
+                kind = "notice" if at > self.now else "reclaim"
+                self.set(
+                    replace(lease, state=LeaseState.RECLAIMING, reclaim_at=at, reclaim_step=step, reason=reason),
+                    kind,
+                    reason,
+                )
+                self.wake(at)
+            else:
+                reason = f"{why}; {how}"
+                self.set(
+                    replace(lease, state=LeaseState.RECLAIMING, reclaim_at=self.now, reclaim_step=step, reason=reason),
+                    "reclaim",
+                    reason,
+                )
+
+
+def plan(
+    devices: Sequence[Device],
+    leases: Iterable[Lease],
+    activity: Mapping[str, KernelActivity],
+    now: float,
+    cfg: SchedConfig,
+    caps: Capabilities = Capabilities(),
+) -> Plan:
+    """Run one scheduling pass over the live leases (released ones are ignored)."""
+    live = [lease for lease in leases if lease.live]
+    return _Pass(devices, live, activity, now, cfg, caps).run()

@@ -1,0 +1,111 @@
+"""Parsing and formatting of sizes and durations as people write them ("16GiB", "30m")."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from .model import SchedulingError
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+#: No GPU has a petabyte of memory; anything above is a typo, not a request.
+MAX_MEMORY = 1024**5
+
+_DURATION_UNITS = {"": 1, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "hr": 3600, "d": 86400}
+_DURATION_RE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)")
+
+
+def parse_memory(value: object, field: str = "memory") -> int | None:
+    """Bytes from ``16GiB``, ``16 GB``, ``512MiB`` or a plain number of bytes.
+
+    ``None`` and empty strings mean "no memory limit" (a whole GPU).
+    """
+    if value is None or value == "":
+        return None
+    if isinstance(value, bool):
+        raise SchedulingError(f"{field} must be a size such as '16GiB' or a number of bytes, not {value!r}")
+    if isinstance(value, (int, float)):
+        number, unit = float(value), ""
+    elif isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        if not match:
+            raise SchedulingError(f"{field} must be a size such as '16GiB' or '512MiB', not {value!r}")
+        number, unit = float(match.group(1)), match.group(2).lower()
+        if unit not in _SIZE_UNITS:
+            raise SchedulingError(f"{field} has an unknown unit {match.group(2)!r}: use B, MiB, GiB or TiB")
+    else:
+        raise SchedulingError(f"{field} must be a size such as '16GiB' or a number of bytes")
+    if not math.isfinite(number) or number <= 0:
+        raise SchedulingError(f"{field} must be more than 0 bytes")
+    size = int(number * _SIZE_UNITS[unit])
+    if size > MAX_MEMORY:
+        raise SchedulingError(f"{field} of {value!r} is more than any GPU has")
+    return size
+
+
+def parse_duration(value: object, field: str = "duration") -> float:
+    """Seconds from ``30m``, ``1h30m``, ``90s``, ``2h`` or a plain number of seconds."""
+    if isinstance(value, bool):
+        raise SchedulingError(f"{field} must be a duration such as '30m' or a number of seconds")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str) and value.strip():
+        text = value.strip().replace(" ", "")
+        pos, seconds = 0, 0.0
+        for match in _DURATION_RE.finditer(text):
+            if match.start() != pos:
+                break
+            unit = match.group(2).lower()
+            if unit not in _DURATION_UNITS:
+                raise SchedulingError(f"{field} has an unknown unit {match.group(2)!r}: use s, m, h or d")
+            seconds += float(match.group(1)) * _DURATION_UNITS[unit]
+            pos = match.end()
+        if pos != len(text):
+            raise SchedulingError(f"{field} must be a duration such as '30m' or '1h30m', not {value!r}")
+    else:
+        raise SchedulingError(f"{field} must be a duration such as '30m' or a number of seconds")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise SchedulingError(f"{field} must be 0 or more seconds")
+    return seconds
+
+
+def format_bytes(size: int | float | None) -> str:
+    """``17179869184`` -> ``16.0 GiB``."""
+    if size is None:
+        return "-"
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"  # pragma: no cover - unreachable
+
+
+def format_duration(seconds: float | None) -> str:
+    """``3725`` -> ``1h02m``; ``42`` -> ``42s``."""
+    if seconds is None:
+        return "-"
+    seconds = max(0, int(round(seconds)))
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes, secs = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
