@@ -54,6 +54,10 @@ def fits(device: Device, occ: Occupancy, lease: Lease) -> bool:
     """Whether ``lease`` can be placed on ``device`` next to what it already holds."""
     if occ.exclusive:
         return False
+    # A claim's memory is what each of its GPUs must have, whatever the mode: an exclusive
+    # "40GiB" claim must not land on a 10 GiB MIG slice.
+    if lease.memory is not None and lease.memory > device.memory_total:
+        return False
     if lease.mode == EXCLUSIVE:
         return occ.holders == 0
     need = lease.promised_memory(device)
