@@ -41,7 +41,7 @@ def parse_memory(value: object, field: str = "memory") -> int | None:
     if isinstance(value, bool):
         raise SchedulingError(f"{field} must be a size such as '16GiB' or a number of bytes, not {value!r}")
     if isinstance(value, (int, float)):
-        number, unit = float(value), ""
+        number, unit = _to_float(value, field, "bytes"), ""
     elif isinstance(value, str):
         match = _SIZE_RE.match(value)
         if not match:
@@ -51,12 +51,22 @@ def parse_memory(value: object, field: str = "memory") -> int | None:
             raise SchedulingError(f"{field} has an unknown unit {match.group(2)!r}: use B, MiB, GiB or TiB")
     else:
         raise SchedulingError(f"{field} must be a size such as '16GiB' or a number of bytes")
-    if not math.isfinite(number) or number <= 0:
+    if math.isnan(number) or number <= 0:
         raise SchedulingError(f"{field} must be more than 0 bytes")
-    size = int(number * _SIZE_UNITS[unit])
-    if size > MAX_MEMORY:
+    if math.isinf(number) or number * _SIZE_UNITS[unit] > MAX_MEMORY:
         raise SchedulingError(f"{field} of {value!r} is more than any GPU has")
+    size = int(number * _SIZE_UNITS[unit])
+    if size < 1:
+        # "0.5B" would otherwise become a claim for 0 bytes.
+        raise SchedulingError(f"{field} must be at least 1 byte, not {value!r}")
     return size
+
+
+def _to_float(value: int | float, field: str, what: str) -> float:
+    try:
+        return float(value)
+    except OverflowError:
+        raise SchedulingError(f"{field} of {value} {what} is too large") from None
 
 
 def parse_duration(value: object, field: str = "duration") -> float:
@@ -64,24 +74,29 @@ def parse_duration(value: object, field: str = "duration") -> float:
     if isinstance(value, bool):
         raise SchedulingError(f"{field} must be a duration such as '30m' or a number of seconds")
     if isinstance(value, (int, float)):
-        seconds = float(value)
+        seconds = _to_float(value, field, "seconds")
     elif isinstance(value, str) and value.strip():
-        text = value.strip().replace(" ", "")
-        pos, seconds = 0, 0.0
+        text = value.strip()
+        pos, seconds, parts = 0, 0.0, []
         for match in _DURATION_RE.finditer(text):
-            if match.start() != pos:
+            if text[pos : match.start()].strip():
                 break
             unit = match.group(2).lower()
             if unit not in _DURATION_UNITS:
                 raise SchedulingError(f"{field} has an unknown unit {match.group(2)!r}: use s, m, h or d")
+            parts.append(unit)
             seconds += float(match.group(1)) * _DURATION_UNITS[unit]
             pos = match.end()
-        if pos != len(text):
+        # A bare number is seconds only on its own: "1h30" or "5 5" are more likely typos
+        # than 1 hour 30 seconds or 10 seconds.
+        if text[pos:].strip() or not parts or (len(parts) > 1 and "" in parts):
             raise SchedulingError(f"{field} must be a duration such as '30m' or '1h30m', not {value!r}")
     else:
         raise SchedulingError(f"{field} must be a duration such as '30m' or a number of seconds")
-    if not math.isfinite(seconds) or seconds < 0:
+    if math.isnan(seconds) or seconds < 0:
         raise SchedulingError(f"{field} must be 0 or more seconds")
+    if math.isinf(seconds):
+        raise SchedulingError(f"{field} of {value!r} is too long")
     return seconds
 
 
