@@ -22,7 +22,7 @@ from .model import (
     SchedConfig,
     Step,
 )
-from .placement import capacity_for, place
+from .placement import place
 
 
 class _Limits:
@@ -142,6 +142,14 @@ class _Pass:
             return place(lease, self.devices, leases, only=lease.home)
         return place(lease, self.devices, leases)
 
+    def could_fit(self, lease: Lease) -> bool:
+        """Whether the claim fits on the healthy devices it may use once nobody holds them.
+
+        For a restore that must go back to its home GPU this asks whether that GPU is healthy,
+        not merely whether the host has enough GPUs.
+        """
+        return self.placement_for(lease, ()) is not None
+
     def grant(self, queue: list[Lease], usage: fairness.Usage) -> list[Lease]:
         """Grant what fits in fair order; return the claims left waiting."""
         blocked: list[Lease] = []
@@ -154,7 +162,7 @@ class _Pass:
             chosen = self.placement_for(lease, self.live())
             if chosen is None:
                 blocked.append(lease)
-                possible = capacity_for(lease, self.devices) >= lease.count
+                possible = self.could_fit(lease)
                 waited = self.now - lease.queued_at
                 if possible and waited >= self.cfg.backfill_wait:
                     # Hold the line: nothing behind it is served until it is.
@@ -189,6 +197,10 @@ class _Pass:
         return blocked
 
     def why_waiting(self, lease: Lease, possible: bool) -> str:
+        if not possible and lease.home and not self.caps.remap:
+            return "waiting: the GPU it was checkpointed from is drained or lost, and it can be restored only there"
+        if not possible and lease.home:
+            return "waiting: not enough healthy GPUs of the model it was checkpointed on (drained or lost)"
         if not possible:
             return "waiting: not enough healthy GPUs can hold this claim right now (drained or lost)"
         if lease.home and not self.caps.remap:
@@ -222,7 +234,7 @@ class _Pass:
         chosen: dict[str, str] = {}
         freed: set[str] = set()
         for claim in blocked:
-            if capacity_for(claim, self.devices) < claim.count:
+            if not self.could_fit(claim):
                 continue
             picked: list[str] = []
             for idle_for, victim in eligible:
