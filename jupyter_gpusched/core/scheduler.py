@@ -232,22 +232,41 @@ class _Pass:
                 self.wake(lease.last_active_at + threshold)
         eligible.sort(key=lambda pair: (-pair[0], pair[1].id))
         chosen: dict[str, str] = {}
-        freed: set[str] = set()
+        # The host as it will be once the chosen victims are gone and the claims before this one
+        # hold their devices: two waiting claims must not count on the same freed GPU, and a claim
+        # that fits already (held back only by a reservation) needs no victim at all.
+        planned = [le for le in self.live() if le.holding]
+
+        def fit(claim: Lease, gone: Iterable[str]):
+            gone = set(gone)
+            return self.placement_for(claim, [le for le in planned if le.id not in chosen and le.id not in gone])
+
         for claim in blocked:
             if not self.could_fit(claim):
                 continue
             picked: list[str] = []
-            for idle_for, victim in eligible:
-                if victim.id in chosen or victim.id in picked:
+            placed = fit(claim, ())
+            if placed is None:
+                for _, victim in eligible:
+                    if victim.id in chosen:
+                        continue
+                    picked.append(victim.id)
+                    placed = fit(claim, picked)
+                    if placed is not None:
+                        break
+                if placed is None:
                     continue
-                picked.append(victim.id)
-                remaining = [le for le in self.live() if le.id not in freed and le.id not in picked]
-                if self.placement_for(claim, remaining) is not None:
-                    for vid in picked:
-                        who = "borrowed, " if vid in borrowed else ""
-                        chosen[vid] = f"{who}idle and {claim.user}'s claim {claim.id} is waiting"
-                        freed.add(vid)
-                    break
+                # Picking by idle time can take leases that free nothing this claim can use (a
+                # shared GPU that a busy lease still holds): drop those, least idle first.
+                for vid in reversed(picked[:-1]):
+                    trial = [v for v in picked if v != vid]
+                    found = fit(claim, trial)
+                    if found is not None:
+                        picked, placed = trial, found
+                for vid in picked:
+                    who = "borrowed, " if self.cfg.policy == "hybrid" and vid in borrowed else ""
+                    chosen[vid] = f"{who}idle and {claim.user}'s claim {claim.id} is waiting"
+            planned.append(replace(claim, state=LeaseState.ACTIVE, devices=placed[0]))
         return chosen
 
     def uncontended(self, limits: _Limits) -> dict[str, str]:
