@@ -95,7 +95,9 @@ def admit(claim: Lease, devices: Sequence[Device], leases: Iterable[Lease], cfg:
                 "release it first or use it"
             )
     if cfg.max_pending_per_user > 0:
-        pending = sum(1 for le in leases if le.user == claim.user and le.state == LeaseState.PENDING)
+        pending = sum(
+            1 for le in leases if le.user == claim.user and le.state == LeaseState.PENDING and le.id != claim.id
+        )
         if pending >= cfg.max_pending_per_user:
             raise ConflictError(
                 f"user {claim.user} already has {pending} claims waiting (the limit is "
@@ -196,7 +198,10 @@ def keep(lease: Lease, seconds: float, now: float, cfg: SchedConfig) -> Lease:
     until = now + seconds if seconds > 0 else None
     state = lease.state
     reason = lease.reason
-    if state == LeaseState.RECLAIMING and until is not None:
+    # Only an announced (disruptive) reclaim can be called off; a release or checkpoint the
+    # arbiter is carrying out already finishes, as it does when the kernel runs again.
+    under_way = lease.reclaim_step is not None and not lease.reclaim_step.disruptive
+    if state == LeaseState.RECLAIMING and until is not None and not under_way:
         state = LeaseState.ACTIVE
         reason = "reclaim cancelled: kept by the user"
     return replace(
