@@ -1,0 +1,951 @@
+"""The arbiter: core + ledger + devices + reclaim, driven by a reconcile loop.
+
+:class:`Arbiter` is the one interface the REST handlers, the kernel provisioner and the events
+websocket use. :class:`LocalArbiter` runs everything in this process (standalone mode, and inside
+the hub broker); the hub client implements the same interface over HTTP.
+
+Every decision comes from :func:`jupyter_gpusched.core.plan`, run inside one ledger transaction so
+that several processes sharing a ledger never grant one GPU twice. The arbiter persists the plan,
+then carries out what it decided: checkpoints, restores, restarts. Blocking work (NVML, SQLite,
+checkpoints) runs in threads, off the event loop.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import dataclasses
+import logging
+import os
+import time
+import uuid as uuidlib
+from dataclasses import dataclass, field, replace
+from typing import Any, Awaitable, Callable, Iterable, Mapping, Protocol
+
+from . import core
+from .core import Capabilities, KernelActivity, Lease, LeaseState, SchedConfig, Step
+from .devices.base import DeviceBackend, DeviceSnapshot, InventoryUnavailable
+from .ledger import Ledger, LedgerError, OwnerId, is_alive
+from .reclaim.checkpoint import CheckpointError, Checkpointer, Unavailable
+from .views import Principal, ViewContext, device_json, lease_json, queue_json
+
+log = logging.getLogger("jupyter_gpusched")
+
+#: The longest a claim call waits for a grant before answering 202 with a position.
+MAX_WAIT = 30.0
+
+
+class ArbiterError(Exception):
+    """A request that cannot be served; ``status`` is the HTTP status, ``message`` for a person."""
+
+    status = 400
+    reason = "Bad Request"
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if status is not None:
+            self.status = status
+
+
+class BadRequest(ArbiterError):
+    status, reason = 400, "Bad Request"
+
+
+class Forbidden(ArbiterError):
+    status, reason = 403, "Forbidden"
+
+
+class NotFound(ArbiterError):
+    status, reason = 404, "Not Found"
+
+
+class Conflict(ArbiterError):
+    status, reason = 409, "Conflict"
+
+
+class NoInventory(ArbiterError):
+    status, reason = 503, "Service Unavailable"
+
+
+@dataclass(frozen=True)
+class ClaimResult:
+    """The lease after a claim, and whether it was granted now (201), waits (202) or existed (200)."""
+
+    status: int
+    lease: dict
+
+
+@dataclass(frozen=True)
+class ArbiterEvent:
+    """Something changed. The websocket shapes it for each viewer (see :mod:`views`)."""
+
+    type: str  # "lease" | "device" | "notice"
+    lease: Lease | None = None
+    device: DeviceSnapshot | None = None
+    notice: Mapping[str, Any] | None = None
+
+
+class KernelHost(Protocol):
+    """The kernels this arbiter can see and act on (a Jupyter server's kernel manager)."""
+
+    server_id: str
+
+    def activity(self) -> Mapping[str, tuple[bool, float | None]]:
+        """Kernel id -> (executing now, last moment it executed) for every kernel it has."""
+
+    def alive(self, kernel_id: str) -> bool | None:
+        """Whether the kernel still exists here (None: not a kernel of this host)."""
+
+    def restarting(self, kernel_id: str) -> bool:
+        """Whether the kernel is being restarted on purpose (its lease stays)."""
+
+    def kernel_pid(self, kernel_id: str) -> int | None:
+        """The kernel's main process."""
+
+    def process_tree(self, kernel_id: str) -> set[int]:
+        """The kernel's process and its descendants."""
+
+    def notebook(self, kernel_id: str) -> str | None:
+        """The notebook path of the kernel's session, where known."""
+
+    async def restart(self, kernel_id: str) -> None: ...
+
+    async def shutdown(self, kernel_id: str) -> None: ...
+
+
+class Arbiter(abc.ABC):
+    """What every front end of the scheduler talks to."""
+
+    mode: str = "standalone"
+
+    async def start(self) -> None:  # pragma: no cover - default no-op
+        """Start background work."""
+
+    async def stop(self) -> None:  # pragma: no cover - default no-op
+        """Stop background work."""
+
+    @abc.abstractmethod
+    async def status(self, who: Principal) -> dict: ...
+
+    @abc.abstractmethod
+    async def devices(self, who: Principal) -> list[dict]: ...
+
+    @abc.abstractmethod
+    async def leases(self, who: Principal, kernel_id: str | None = None) -> list[dict]: ...
+
+    @abc.abstractmethod
+    async def lease(self, who: Principal, lease_id: str) -> dict: ...
+
+    @abc.abstractmethod
+    async def claim(
+        self,
+        who: Principal,
+        kernel_id: str,
+        count: int | None = None,
+        memory: int | None = None,
+        mode: str | None = None,
+        priority: int = 0,
+        wait: float = 0.0,
+    ) -> ClaimResult: ...
+
+    @abc.abstractmethod
+    async def release(self, who: Principal, lease_id: str) -> None: ...
+
+    @abc.abstractmethod
+    async def keep(self, who: Principal, lease_id: str, seconds: float) -> dict: ...
+
+    @abc.abstractmethod
+    async def drain(self, who: Principal, uuid: str, drained: bool, reason: str = "") -> dict: ...
+
+    @abc.abstractmethod
+    async def kernel_ended(self, kernel_id: str, reason: str) -> None: ...
+
+    @abc.abstractmethod
+    async def kernel_started(self, kernel_id: str, user: str, pid: int | None) -> None: ...
+
+    def subscribe(self, listener: Callable[[ArbiterEvent], None]) -> None:
+        self._listeners().add(listener)
+
+    def unsubscribe(self, listener: Callable[[ArbiterEvent], None]) -> None:
+        self._listeners().discard(listener)
+
+    def _listeners(self) -> set:
+        if not hasattr(self, "_listener_set"):
+            self._listener_set: set = set()
+        return self._listener_set
+
+    def publish(self, event: ArbiterEvent) -> None:
+        for listener in list(self._listeners()):
+            try:
+                listener(event)
+            except Exception:  # noqa: BLE001 - one bad listener must not stop the others
+                log.exception("event listener failed")
+
+
+@dataclass
+class _State:
+    """The last view of the world, for answering reads without touching the ledger."""
+
+    snapshot: tuple[DeviceSnapshot, ...] = ()
+    leases: tuple[Lease, ...] = ()
+    queue: tuple[str, ...] = ()
+    drained: Mapping[str, str] = field(default_factory=dict)
+    process_kernels: dict[int, str] = field(default_factory=dict)
+    unleased: tuple[dict, ...] = ()
+
+
+class LocalArbiter(Arbiter):
+    """Scheduling in this process: the ledger file, the GPUs of this host and its kernels."""
+
+    def __init__(
+        self,
+        *,
+        cfg: SchedConfig,
+        ledger: Ledger,
+        backend: DeviceBackend | None,
+        checkpointer: Checkpointer | None = None,
+        kernels: KernelHost | None = None,
+        clock: Callable[[], float] = time.time,
+        poll_interval: float = 2.0,
+        backend_note: str = "",
+        mode: str = "standalone",
+        show_holders: bool = True,
+        metrics: Any = None,
+    ) -> None:
+        self.cfg = cfg
+        self.ledger = ledger
+        self.backend = backend
+        self.checkpointer = checkpointer or Unavailable("no checkpointer configured")
+        self.caps = Capabilities(
+            checkpoint=self.checkpointer.available,
+            checkpoint_reason=self.checkpointer.reason,
+            remap=self.checkpointer.remap,
+        )
+        self.kernels = kernels
+        self.server_id = kernels.server_id if kernels is not None else uuidlib.uuid4().hex
+        self.clock = clock
+        self.poll_interval = poll_interval
+        self.backend_note = backend_note
+        self.mode = mode
+        self.show_holders = show_holders
+        self.metrics = metrics
+        self.state = _State()
+        self._activity: dict[str, KernelActivity] = {}
+        self._waiters: dict[str, asyncio.Event] = {}
+        self._inflight: set[str] = set()
+        self._restores: dict[str, asyncio.Task] = {}
+        self._checkpointed: dict[str, list[int]] = {}
+        self._cache_asked: dict[str, float] = {}
+        self._task: asyncio.Task | None = None
+        self._tick_lock = asyncio.Lock()
+        self._background: set[asyncio.Task] = set()
+
+    # -- lifecycle -------------------------------------------------------------------------
+    @property
+    def backend_name(self) -> str:
+        return self.backend.name if self.backend is not None else "none"
+
+    async def start(self) -> None:
+        await self.tick()
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        for task in list(self._background) + list(self._restores.values()):
+            task.cancel()
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_interval)
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the loop must outlive one bad tick
+                log.exception("GPU reconcile tick failed; trying again in %ss", self.poll_interval)
+
+    # -- observing -------------------------------------------------------------------------
+    async def _refresh_devices(self) -> tuple[DeviceSnapshot, ...]:
+        if self.backend is None:
+            return ()
+        try:
+            snap = await asyncio.to_thread(self.backend.snapshot)
+        except InventoryUnavailable as exc:
+            log.warning("GPU inventory unavailable this tick: %s", exc)
+            return self.state.snapshot
+        before = {d.uuid: d for d in self.state.snapshot}
+        self.state.snapshot = snap
+        for device in snap:
+            old = before.get(device.uuid)
+            if old is None or _device_changed(old, device):
+                self.publish(ArbiterEvent("device", device=device))
+            if old is not None and old.health != "lost" and device.health == "lost":
+                log.warning("GPU %s (%s) was lost", device.index, device.uuid)
+        return snap
+
+    def _observe(self, snap: Iterable[DeviceSnapshot]) -> dict[str, KernelActivity]:
+        """Kernel activity from the kernel host, with GPU use mapped through process trees."""
+        if self.kernels is None:
+            return {}
+        now = self.clock()
+        states = self.kernels.activity()
+        pid_kernel: dict[int, str] = {}
+        for kernel_id in states:
+            for pid in self.kernels.process_tree(kernel_id):
+                pid_kernel[pid] = kernel_id
+        memory: dict[str, int] = {}
+        util: dict[str, float | None] = {}
+        unleased = []
+        for device in snap:
+            for proc in device.processes:
+                kernel_id = pid_kernel.get(proc.pid)
+                if kernel_id is None:
+                    unleased.append({"pid": proc.pid, "device": device.uuid, "memory_used": proc.memory_used})
+                    continue
+                memory[kernel_id] = memory.get(kernel_id, 0) + (proc.memory_used or 0)
+                if proc.utilization is not None:
+                    util[kernel_id] = (util.get(kernel_id) or 0.0) + proc.utilization
+                else:
+                    util.setdefault(kernel_id, None)
+        self.state.process_kernels = pid_kernel
+        self.state.unleased = tuple(unleased)
+        activity = {}
+        for kernel_id, (busy, last_busy_at) in states.items():
+            activity[kernel_id] = KernelActivity(
+                kernel_id=kernel_id,
+                busy=busy,
+                last_busy_at=min(last_busy_at, now) if last_busy_at is not None else None,
+                gpu_utilization=util.get(kernel_id),
+                gpu_memory=memory.get(kernel_id, 0) if self.backend is not None else None,
+            )
+        self._activity = activity
+        return activity
+
+    # -- the reconcile tick ----------------------------------------------------------------
+    async def tick(self) -> core.Plan:
+        """Observe, plan in one transaction, persist, then carry out what was decided."""
+        async with self._tick_lock:
+            snap = await self._refresh_devices()
+            activity = self._observe(snap)
+            plan, before, notices, _ = await asyncio.to_thread(self._plan_tx, activity, None)
+            await self._after_plan(plan, before, notices)
+            await self._finish_cache_requests()
+            return plan
+
+    def _devices(self, drained: Mapping[str, str]) -> list[core.Device]:
+        return [d.to_core(drained=d.uuid in drained) for d in self.state.snapshot]
+
+    def _plan_tx(
+        self,
+        activity: Mapping[str, KernelActivity],
+        change: Callable[[Any, list[Lease], list[core.Device]], Any] | None,
+    ) -> tuple[core.Plan, dict[str, Lease], list[dict], Any]:
+        """One transaction: reap the dead, apply ``change`` (a claim, say), plan, persist."""
+        notices: list[dict] = []
+        with self.ledger.transaction(self.clock()) as tx:
+            now = tx.now
+            drained = tx.drained()
+            devices = self._devices(drained)
+            leases = tx.leases()
+            before = {lease.id: lease for lease in leases}
+            leases = self._reap(tx, leases, now, devices, notices)
+            outcome = change(tx, leases, devices) if change is not None else None
+            if outcome is not None:
+                leases = tx.leases()
+            plan = core.plan(devices, leases, activity, now, self.cfg, self.caps)
+            for lease_id in plan.changed:
+                tx.put(plan.lease(lease_id))
+            self._own_new_kernels(tx, plan.leases)
+            all_live = list(plan.leases)
+            self.state.leases = tuple(all_live)
+            self.state.queue = plan.queue
+            self.state.drained = dict(drained)
+        return plan, before, notices, outcome
+
+    def _reap(self, tx, leases: list[Lease], now: float, devices, notices: list[dict]) -> list[Lease]:
+        """Release leases whose kernels are gone and leases on lost GPUs."""
+        owners = tx.owners()
+        lost = {d.uuid: d for d in devices if d.health == core.Health.LOST}
+        out = []
+        for lease in leases:
+            owner = owners.get(lease.id)
+            gone: str | None = None
+            ours = self.kernels is not None and (owner is None or owner.server_id == self.server_id)
+            if ours and self.kernels.restarting(lease.kernel_id):
+                pass  # a deliberate restart keeps the lease; the new process takes it over
+            elif ours and self.kernels.alive(lease.kernel_id) is False:
+                gone = "the kernel has shut down"
+            elif owner is not None and not is_alive(owner):
+                gone = f"the kernel's process {owner.process.pid} is gone"
+            if gone is not None:
+                done = core.released(lease, now, f"released: {gone}")
+                tx.put(done)
+                log.info("lease %s of kernel %s released: %s", lease.id, lease.kernel_id, gone)
+                self.publish(ArbiterEvent("lease", lease=done))
+                continue
+            on_lost = [u for u in lease.devices if u in lost]
+            if on_lost and lease.holding:
+                device = lost[on_lost[0]]
+                done = core.device_lost(lease, device.uuid, device.index, now)
+                tx.put(done)
+                log.warning("lease %s of kernel %s: GPU %s lost", lease.id, lease.kernel_id, device.uuid)
+                notices.append(
+                    {"kind": "lost", "lease_id": lease.id, "kernel_id": lease.kernel_id, "message": done.reason}
+                )
+                continue
+            out.append(lease)
+        return out
+
+    def _own_new_kernels(self, tx, leases: Iterable[Lease]) -> None:
+        """Let the kernel's own process own its lease once it runs (it outlives this server)."""
+        if self.kernels is None:
+            return
+        owners = tx.owners()
+        for lease in leases:
+            owner = owners.get(lease.id)
+            if owner is None or owner.server_id != self.server_id:
+                continue
+            pid = self.kernels.kernel_pid(lease.kernel_id)
+            if pid is None or owner.process.pid == pid:
+                continue
+            try:
+                process = OwnerId.of_pid(pid)
+            except Exception:  # noqa: BLE001 - the kernel may be exiting right now
+                continue
+            tx.set_owner(lease.id, lease.kernel_id, self.server_id, process)
+
+    async def _after_plan(self, plan: core.Plan, before: Mapping[str, Lease], notices: list[dict]) -> None:
+        now = self.clock()
+        for decision in plan.decisions:
+            lease = decision.lease
+            old = before.get(lease.id)
+            if decision.kind == "grant":
+                waited = now - (old.queued_at if old else lease.queued_at)
+                log.info(
+                    "lease %s of kernel %s (%s) %s after %.1fs: %s",
+                    lease.id,
+                    lease.kernel_id,
+                    lease.user,
+                    "restoring" if lease.home else "granted",
+                    waited,
+                    decision.reason,
+                )
+                if self.metrics is not None:
+                    self.metrics.waited(waited)
+                if lease.home and self._mine(lease):
+                    self._restores[lease.id] = asyncio.create_task(self._restore(lease))
+                else:
+                    notices.append(_notice("granted", lease, f"Granted {_gpus(lease, self.state.snapshot)}"))
+            elif decision.kind == "notice":
+                log.info(
+                    "lease %s of kernel %s: reclaim announced for %s: %s",
+                    lease.id,
+                    lease.kernel_id,
+                    lease.reclaim_at,
+                    decision.reason,
+                )
+                notices.append(_notice("reclaim_warning", lease, decision.reason))
+            elif decision.kind == "cancel":
+                log.info("lease %s of kernel %s: %s", lease.id, lease.kernel_id, decision.reason)
+                notices.append(_notice("reclaim_cancelled", lease, decision.reason))
+            elif decision.kind == "idle":
+                log.debug("lease %s of kernel %s: %s", lease.id, lease.kernel_id, decision.reason)
+            elif decision.kind == "queue" and (old is None or old.state != LeaseState.PENDING):
+                notices.append(_notice("queued", lease, lease.reason))
+        for lease_id in plan.changed:
+            lease = plan.lease(lease_id)
+            self.publish(ArbiterEvent("lease", lease=lease))
+            if lease is not None and lease.state != LeaseState.PENDING:
+                self._wake(lease_id)
+        for notice in notices:
+            self.publish(ArbiterEvent("notice", notice=notice))
+        self._carry_out_due(plan.leases)
+        if self.metrics is not None:
+            self.metrics.update(self.state.snapshot, plan.leases, plan.queue)
+
+    def _mine(self, lease: Lease) -> bool:
+        return self.kernels is not None and self.kernels.alive(lease.kernel_id) is not None
+
+    def _wake(self, lease_id: str) -> None:
+        event = self._waiters.get(lease_id)
+        if event is not None:
+            event.set()
+
+    # -- carrying out reclaims -------------------------------------------------------------
+    def _carry_out_due(self, leases: Iterable[Lease]) -> None:
+        now = self.clock()
+        for lease in leases:
+            if lease.state != LeaseState.RECLAIMING or lease.reclaim_step is None:
+                continue
+            if lease.reclaim_at is not None and lease.reclaim_at > now:
+                continue
+            if lease.id in self._inflight or not self._mine(lease):
+                continue
+            self._inflight.add(lease.id)
+            task = asyncio.create_task(self._carry_out(lease))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _update(self, lease: Lease, fn: Callable[[Lease, float], Lease | None]) -> Lease | None:
+        """Re-read ``lease`` under the write lock and write ``fn(lease)`` if it still applies."""
+
+        def run() -> Lease | None:
+            with self.ledger.transaction(self.clock()) as tx:
+                current = tx.lease(lease.id)
+                if current is None:
+                    return None
+                new = fn(current, tx.now)
+                if new is None or new == current:
+                    return None
+                if new.version <= current.version:
+                    new = replace(new, version=current.version + 1)
+                tx.put(new)
+                return new
+
+        new = await asyncio.to_thread(run)
+        if new is not None:
+            self.state.leases = tuple(new if le.id == new.id else le for le in self.state.leases if new.live or le.id != new.id)
+            self.publish(ArbiterEvent("lease", lease=new))
+            self._wake(new.id)
+        return new
+
+    def _gpu_pids(self, lease: Lease) -> list[int]:
+        tree = self.kernels.process_tree(lease.kernel_id) if self.kernels else set()
+        pids = []
+        for device in self.state.snapshot:
+            if device.uuid in lease.devices:
+                pids.extend(p.pid for p in device.processes if p.pid in tree)
+        if not pids and self.kernels is not None:
+            pid = self.kernels.kernel_pid(lease.kernel_id)
+            if pid is not None:
+                pids.append(pid)
+        return sorted(set(pids))
+
+    async def _carry_out(self, lease: Lease) -> None:
+        step = lease.reclaim_step
+        try:
+            still = lambda cur, now: cur.state == LeaseState.RECLAIMING and cur.reclaim_step == step  # noqa: E731
+            if step == Step.RELEASE:
+                why = "released while idle: the kernel held no GPU memory; its next cell asks again"
+                done = await self._update(lease, lambda cur, now: core.released(cur, now, why) if still(cur, now) else None)
+                if done is not None:
+                    self._reclaimed(done, step, "released", why)
+            elif step == Step.CHECKPOINT:
+                await self._checkpoint(lease, still)
+            elif step == Step.FREE_CACHE:
+                self._cache_asked[lease.id] = self.clock()
+                self.publish(ArbiterEvent("notice", notice=_notice("free_cache", lease, lease.reason)))
+            elif step in (Step.RESTART, Step.SHUTDOWN):
+                verb = "restarted" if step == Step.RESTART else "shut down"
+                why = f"reclaimed: the kernel was {verb} to free its GPU ({lease.reason})"
+                done = await self._update(lease, lambda cur, now: core.released(cur, now, why) if still(cur, now) else None)
+                if done is None:
+                    return
+                self._reclaimed(done, step, "reclaimed", why)
+                if self.kernels is not None:
+                    if step == Step.RESTART:
+                        await self.kernels.restart(lease.kernel_id)
+                    else:
+                        await self.kernels.shutdown(lease.kernel_id)
+        except Exception:  # noqa: BLE001 - one failed reclaim must not stop the loop
+            log.exception("lease %s of kernel %s: %s failed", lease.id, lease.kernel_id, step)
+        finally:
+            self._inflight.discard(lease.id)
+
+    async def _checkpoint(self, lease: Lease, still) -> None:
+        pids = self._gpu_pids(lease)
+        held = lease.memory_held
+        try:
+            moved_total = 0
+            for pid in pids:
+                moved = await asyncio.to_thread(self.checkpointer.checkpoint, pid)
+                moved_total += moved or 0
+        except CheckpointError as exc:
+            why = str(exc)
+            log.warning("lease %s of kernel %s: checkpoint failed: %s", lease.id, lease.kernel_id, why)
+            await self._update(lease, lambda cur, now: core.step_failed(cur, Step.CHECKPOINT, why))
+            return
+        self._checkpointed[lease.id] = pids
+        memory = moved_total or held
+        done = await self._update(
+            lease, lambda cur, now: core.suspended(cur, now, memory) if still(cur, now) else None
+        )
+        if done is None:
+            # The lease changed under us (released meanwhile): put the state back where it was.
+            for pid in pids:
+                try:
+                    await asyncio.to_thread(self.checkpointer.restore, pid, None)
+                except CheckpointError:
+                    log.exception("lease %s: could not undo checkpoint of pid %s", lease.id, pid)
+            return
+        log.info(
+            "lease %s of kernel %s suspended: GPU state of pids %s checkpointed (%s) from %s",
+            lease.id,
+            lease.kernel_id,
+            pids,
+            core.format_bytes(memory),
+            ",".join(lease.devices),
+        )
+        self._reclaimed(done, Step.CHECKPOINT, "suspended", done.reason)
+
+    def _reclaimed(self, lease: Lease, step: Step, kind: str, message: str) -> None:
+        if self.metrics is not None:
+            self.metrics.reclaimed(step.value)
+        self.publish(ArbiterEvent("notice", notice=_notice(kind, lease, message)))
+
+    async def _restore(self, lease: Lease) -> None:
+        device_map = dict(zip(lease.home, lease.devices))
+        pids = self._checkpointed.pop(lease.id, None) or self._gpu_pids(lease)
+        try:
+            for pid in pids:
+                await asyncio.to_thread(self.checkpointer.restore, pid, device_map)
+        except CheckpointError as exc:
+            why = f"restore failed, the kernel's GPU state is lost: {exc}"
+            log.error("lease %s of kernel %s: %s", lease.id, lease.kernel_id, why)
+            await self._update(lease, lambda cur, now: core.released(cur, now, why))
+            self.publish(ArbiterEvent("notice", notice=_notice("lost", lease, why)))
+        else:
+            log.info(
+                "lease %s of kernel %s restored onto %s (pids %s)",
+                lease.id,
+                lease.kernel_id,
+                ",".join(lease.devices),
+                pids,
+            )
+            self.publish(ArbiterEvent("notice", notice=_notice("resumed", lease, lease.reason)))
+        finally:
+            self._restores.pop(lease.id, None)
+            self._wake(lease.id)
+
+    async def _finish_cache_requests(self) -> None:
+        now = self.clock()
+        for lease_id, asked in list(self._cache_asked.items()):
+            if now - asked < 2 * self.poll_interval:
+                continue
+            del self._cache_asked[lease_id]
+            lease = next((le for le in self.state.leases if le.id == lease_id), None)
+            if lease is not None:
+                await self._update(
+                    lease, lambda cur, now: core.step_done(cur, Step.FREE_CACHE, "framework caches dropped")
+                )
+
+    # -- reads -----------------------------------------------------------------------------
+    def _ctx(self) -> ViewContext:
+        notebooks = {}
+        if self.kernels is not None:
+            for lease in self.state.leases:
+                name = self.kernels.notebook(lease.kernel_id)
+                if name:
+                    notebooks[lease.kernel_id] = name
+        positions = {lid: i for i, lid in enumerate(self.state.queue, start=1)}
+        return ViewContext(
+            now=self.clock(),
+            positions=positions,
+            notebooks=notebooks,
+            drained=self.state.drained,
+            process_kernels=self.state.process_kernels,
+        )
+
+    def _index_of(self) -> dict[str, int]:
+        return {d.uuid: d.index for d in self.state.snapshot}
+
+    def _need_inventory(self) -> None:
+        if self.backend is None:
+            raise NoInventory(
+                f"no GPU inventory on this server ({self.backend_note or 'no backend'}); "
+                "set c.GPUSchedApp.backend = 'simulated' to try it without GPUs"
+            )
+
+    def render_lease(self, lease: Lease, who: Principal, ctx: ViewContext | None = None) -> dict:
+        return lease_json(lease, self._viewer(who), ctx or self._ctx(), self._index_of())
+
+    def render_device(self, device: DeviceSnapshot, who: Principal, ctx: ViewContext | None = None) -> dict:
+        return device_json(device, self.state.leases, self._viewer(who), ctx or self._ctx())
+
+    def _viewer(self, who: Principal) -> Principal:
+        if who.show_holders == self.show_holders:
+            return who
+        return replace(who, show_holders=self.show_holders)
+
+    async def status(self, who: Principal) -> dict:
+        ctx = self._ctx()
+        by_id = {lease.id: lease for lease in self.state.leases}
+        queue = [by_id[lid] for lid in self.state.queue if lid in by_id]
+        viewer = self._viewer(who)
+        return {
+            "mode": self.mode,
+            "backend": self.backend_name,
+            "backend_note": self.backend_note,
+            "policy": self.cfg.policy,
+            "user": who.user,
+            "is_admin": who.admin,
+            "checkpoint": {"available": self.caps.checkpoint, "reason": self.caps.checkpoint_reason},
+            "devices": [self.render_device(d, viewer, ctx) for d in self.state.snapshot],
+            "leases": [self.render_lease(le, viewer, ctx) for le in self.state.leases],
+            "queue": queue_json(queue, viewer),
+            "unleased_processes": list(self.state.unleased) if who.admin else [],
+            "config": {
+                "idle_timeout": self.cfg.idle_timeout,
+                "contended_idle_timeout": self.cfg.contended_idle_timeout,
+                "release_timeout": self.cfg.release_timeout,
+                "grace_period": self.cfg.grace_period,
+                "reclaim_fallback": self.cfg.reclaim_fallback,
+                "max_keep": self.cfg.max_keep,
+                "poll_interval": self.poll_interval,
+            },
+            "time": ctx.now,
+        }
+
+    async def devices(self, who: Principal) -> list[dict]:
+        ctx = self._ctx()
+        return [self.render_device(d, who, ctx) for d in self.state.snapshot]
+
+    async def leases(self, who: Principal, kernel_id: str | None = None) -> list[dict]:
+        ctx = self._ctx()
+        viewer = self._viewer(who)
+        out = []
+        for lease in self.state.leases:
+            if kernel_id is not None and (lease.kernel_id != kernel_id or not viewer.sees(lease)):
+                continue
+            out.append(self.render_lease(lease, viewer, ctx))
+        return out
+
+    def _find(self, lease_id: str) -> Lease:
+        for lease in self.state.leases:
+            if lease.id == lease_id:
+                return lease
+        found = self.ledger.lease(lease_id)
+        if found is None:
+            raise NotFound(f"no lease {lease_id!r}")
+        return found
+
+    async def lease(self, who: Principal, lease_id: str) -> dict:
+        lease = self._find(lease_id)
+        if who.kernel_id is not None and lease.kernel_id != who.kernel_id:
+            raise Forbidden("a kernel's token can only read that kernel's own lease")
+        return self.render_lease(lease, who)
+
+    # -- writes ----------------------------------------------------------------------------
+    async def claim(
+        self,
+        who: Principal,
+        kernel_id: str,
+        count: int | None = None,
+        memory: int | None = None,
+        mode: str | None = None,
+        priority: int = 0,
+        wait: float = 0.0,
+    ) -> ClaimResult:
+        if who.kernel_id is not None and who.kernel_id != kernel_id:
+            raise Forbidden("a kernel's token can only ask for that kernel's own lease")
+        self._need_inventory()
+        if self.kernels is not None and not self.kernels.alive(kernel_id):
+            raise NotFound(f"no running kernel {kernel_id!r} on this server")
+        owner_pid = self.kernels.kernel_pid(kernel_id) if self.kernels is not None else None
+
+        def change(tx, leases: list[Lease], devices: list[core.Device]):
+            now = tx.now
+            mine = [le for le in leases if le.kernel_id == kernel_id and le.live]
+            if mine:
+                lease = mine[0]
+                if lease.user != who.user and not who.admin:
+                    raise Forbidden(f"kernel {kernel_id} belongs to another user")
+                asked = (count, memory, mode)
+                have = (lease.count, lease.memory, lease.mode)
+                if any(a is not None and a != h for a, h in zip(asked, have)):
+                    raise Conflict(
+                        f"kernel {kernel_id} already has lease {lease.id} for {lease.count} GPU(s) "
+                        f"({lease.mode}, {lease.state.value}); release it before asking for a different one"
+                    )
+                if lease.state == LeaseState.SUSPENDED:
+                    tx.put(core.request_resume(lease, now))
+                    return ("resume", lease.id)
+                if lease.holding:
+                    tx.put(core.touch(lease, now))
+                    return ("existing", lease.id)
+                return ("pending", lease.id)
+            claim = core.new_claim(
+                uuidlib.uuid4().hex,
+                kernel_id,
+                who.user,
+                now,
+                count=1 if count is None else count,
+                memory=memory,
+                mode=mode or core.EXCLUSIVE,
+                priority=priority,
+                groups=who.groups,
+                gaps=self._history(kernel_id),
+            )
+            core.admit(claim, devices, leases, self.cfg)
+            tx.put(claim)
+            process = None
+            if owner_pid is not None:
+                try:
+                    process = OwnerId.of_pid(owner_pid)
+                except Exception:  # noqa: BLE001 - fall back to this server owning it
+                    process = None
+            tx.set_owner(claim.id, kernel_id, self.server_id, process)
+            log.info(
+                "lease %s: kernel %s (%s) asks for %s GPU(s)%s, %s",
+                claim.id,
+                kernel_id,
+                who.user,
+                claim.count,
+                f" with {core.format_bytes(memory)} each" if memory else "",
+                claim.mode,
+            )
+            return ("new", claim.id)
+
+        async with self._tick_lock:
+            try:
+                plan, before, notices, outcome = await asyncio.to_thread(self._plan_tx, self._activity, change)
+            except core.ConflictError as exc:
+                raise Conflict(str(exc)) from exc
+            except core.SchedulingError as exc:
+                if "no GPUs" in str(exc) or "drained or lost" in str(exc):
+                    raise NoInventory(str(exc)) from exc
+                raise BadRequest(str(exc)) from exc
+            except LedgerError as exc:
+                raise ArbiterError(str(exc), 503) from exc
+            await self._after_plan(plan, before, notices)
+        how, lease_id = outcome
+        return await self._answer(who, lease_id, how, wait)
+
+    def _history(self, kernel_id: str) -> tuple[float, ...]:
+        """Idle spells of the kernel's earlier lease, so that learning survives a release."""
+        for lease in reversed(self.ledger.leases(live_only=False)[-200:]):
+            if lease.kernel_id == kernel_id and lease.gaps:
+                return lease.gaps
+        return ()
+
+    async def _answer(self, who: Principal, lease_id: str, how: str, wait: float) -> ClaimResult:
+        wait = max(0.0, min(float(wait or 0.0), MAX_WAIT))
+        deadline = time.monotonic() + wait
+        while True:
+            restore = self._restores.get(lease_id)
+            if restore is not None:
+                await asyncio.wait({restore}, timeout=max(0.0, deadline - time.monotonic()) or None)
+            lease = self._find(lease_id)
+            if lease.holding and lease_id not in self._restores:
+                status = 200 if how == "existing" else 201
+                return ClaimResult(status, self.render_lease(lease, who))
+            if not lease.live:
+                raise Conflict(f"lease {lease_id} was released: {lease.reason}")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return ClaimResult(202, self.render_lease(lease, who))
+            event = self._waiters.setdefault(lease_id, asyncio.Event())
+            event.clear()
+            try:
+                await asyncio.wait_for(event.wait(), timeout=remaining)
+            except asyncio.TimeoutError:
+                pass
+
+    def _own(self, who: Principal, lease_id: str) -> Lease:
+        lease = self._find(lease_id)
+        if not who.owns(lease):
+            if who.kernel_id is not None:
+                raise Forbidden("a kernel's token can only act on that kernel's own lease")
+            raise Forbidden(f"lease {lease_id} belongs to another user")
+        return lease
+
+    async def release(self, who: Principal, lease_id: str) -> None:
+        lease = self._own(who, lease_id)
+        by = f"kernel {who.kernel_id}" if who.kernel_id else who.user
+        why = f"released by {by}"
+        if not lease.live:
+            return
+        done = await self._update(lease, lambda cur, now: core.released(cur, now, why))
+        if done is not None:
+            log.info("lease %s of kernel %s %s", lease.id, lease.kernel_id, why)
+            if who.kernel_id is None and lease.user != who.user:
+                self.publish(ArbiterEvent("notice", notice=_notice("released", done, f"Your GPU lease was {why}")))
+        await self.tick()
+
+    async def keep(self, who: Principal, lease_id: str, seconds: float) -> dict:
+        lease = self._own(who, lease_id)
+        try:
+            core.keep(lease, seconds, self.clock(), self.cfg)  # validate before writing
+        except core.ConflictError as exc:
+            raise Conflict(str(exc)) from exc
+        except core.SchedulingError as exc:
+            raise BadRequest(str(exc)) from exc
+        done = await self._update(lease, lambda cur, now: core.keep(cur, seconds, now, self.cfg))
+        lease = done or self._find(lease_id)
+        log.info("lease %s of kernel %s kept for %ss by %s", lease.id, lease.kernel_id, seconds, who.user)
+        if done is not None and lease.keep_until is not None:
+            self.publish(ArbiterEvent("notice", notice=_notice("kept", lease, f"Kept for {core.format_duration(seconds)}")))
+        return self.render_lease(lease, who)
+
+    async def drain(self, who: Principal, uuid: str, drained: bool, reason: str = "") -> dict:
+        if not who.admin:
+            raise Forbidden("only an administrator can drain or undrain a GPU")
+        device = next((d for d in self.state.snapshot if d.uuid == uuid), None)
+        if device is None:
+            raise NotFound(f"no GPU with uuid {uuid!r} on this host")
+
+        def run() -> None:
+            with self.ledger.transaction(self.clock()) as tx:
+                tx.set_drained(uuid, drained, reason or f"by {who.user}")
+
+        await asyncio.to_thread(run)
+        log.info("GPU %s (%s) %s by %s", device.index, uuid, "drained" if drained else "undrained", who.user)
+        await self.tick()
+        return self.render_device(device, who)
+
+    async def kernel_started(self, kernel_id: str, user: str, pid: int | None) -> None:
+        """A kernel process now runs: hand its leases to it (they survive this server)."""
+        await self.tick()
+
+    async def kernel_ended(self, kernel_id: str, reason: str) -> None:
+        leases = [le for le in self.state.leases if le.kernel_id == kernel_id and le.live]
+        for lease in leases:
+            done = await self._update(lease, lambda cur, now: core.released(cur, now, f"released: {reason}"))
+            if done is not None:
+                log.info("lease %s of kernel %s released: %s", lease.id, kernel_id, reason)
+
+    async def lease_for_kernel(self, kernel_id: str) -> Lease | None:
+        for lease in self.state.leases:
+            if lease.kernel_id == kernel_id and lease.live:
+                return lease
+        return None
+
+
+def _device_changed(old: DeviceSnapshot, new: DeviceSnapshot) -> bool:
+    """Changes worth telling the browser about (not every percent of utilization)."""
+    def coarse(d: DeviceSnapshot):
+        return (
+            d.health,
+            None if d.utilization is None else round(d.utilization / 5),
+            None if d.memory_used is None else d.memory_used >> 26,
+            tuple(sorted(p.pid for p in d.processes)),
+        )
+
+    return coarse(old) != coarse(new)
+
+
+def _gpus(lease: Lease, snapshot: Iterable[DeviceSnapshot]) -> str:
+    index = {d.uuid: d for d in snapshot}
+    names = [f"GPU {index[u].index} ({index[u].name})" if u in index else u for u in lease.devices]
+    return ", ".join(names) or "no GPU"
+
+
+def _notice(kind: str, lease: Lease, message: str) -> dict:
+    return {
+        "kind": kind,
+        "lease_id": lease.id,
+        "kernel_id": lease.kernel_id,
+        "user": lease.user,
+        "message": message,
+        "reclaim_at": lease.reclaim_at,
+        "state": lease.state.value,
+    }

@@ -1,0 +1,141 @@
+"""JSON views of devices and leases (DESIGN section 8), shaped for the person who asks.
+
+Times are ISO 8601 UTC, sizes bytes. In hub mode a user sees other users' leases as held by
+"another user" (no kernel ids, no notebook) unless the admin allows names (``show_holders``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+from .core import Lease, LeaseState
+from .devices.base import DeviceSnapshot
+
+ANOTHER_USER = "another user"
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is asking: a user (with groups and admin rights), or one kernel through its token."""
+
+    user: str
+    groups: tuple[str, ...] = ()
+    admin: bool = False
+    kernel_id: str | None = None
+    server_id: str = ""
+    show_holders: bool = True
+
+    def owns(self, lease: Lease) -> bool:
+        """Whether this caller may act on ``lease`` (release, keep)."""
+        if self.kernel_id is not None:
+            return lease.kernel_id == self.kernel_id
+        return self.admin or lease.user == self.user
+
+    def sees(self, lease: Lease) -> bool:
+        """Whether this caller sees who holds ``lease`` and its kernel."""
+        return self.show_holders or self.admin or lease.user == self.user
+
+
+@dataclass
+class ViewContext:
+    """What a view needs beyond the records: the clock, queue positions, notebook names."""
+
+    now: float
+    positions: Mapping[str, int] = field(default_factory=dict)
+    notebooks: Mapping[str, str] = field(default_factory=dict)
+    drained: Mapping[str, str] = field(default_factory=dict)
+    process_kernels: Mapping[int, str] = field(default_factory=dict)
+
+
+def iso(ts: float | None) -> str | None:
+    if ts is None:
+        return None
+    return dt.datetime.fromtimestamp(ts, tz=dt.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def lease_json(
+    lease: Lease,
+    viewer: Principal,
+    ctx: ViewContext,
+    index_of: Mapping[str, int],
+) -> dict:
+    """A lease as the REST API and the events websocket show it to ``viewer``."""
+    visible = viewer.sees(lease)
+    idle = lease.idle_seconds(ctx.now) if lease.holding else None
+    return {
+        "id": lease.id,
+        "kernel_id": lease.kernel_id if visible else None,
+        "user": lease.user if visible else ANOTHER_USER,
+        "holder": lease.user if visible else ANOTHER_USER,
+        "notebook": ctx.notebooks.get(lease.kernel_id) if visible else None,
+        "count": lease.count,
+        "devices": list(lease.devices),
+        "device_indices": [index_of[u] for u in lease.devices if u in index_of],
+        "memory": lease.memory,
+        "mode": lease.mode,
+        "priority": lease.priority,
+        "state": lease.state.value,
+        "position": ctx.positions.get(lease.id) if lease.state == LeaseState.PENDING else None,
+        "created_at": iso(lease.created_at),
+        "granted_at": iso(lease.granted_at),
+        "last_active_at": iso(lease.last_active_at),
+        "idle_seconds": round(idle, 1) if idle is not None else None,
+        "reclaim_at": iso(lease.reclaim_at),
+        "reclaim_step": lease.reclaim_step.value if lease.reclaim_step else None,
+        "keep_until": iso(lease.keep_until),
+        "memory_held": lease.memory_held,
+        "reason": lease.reason if visible else "",
+        "mine": viewer.owns(lease) and not (viewer.admin and lease.user != viewer.user),
+    }
+
+
+def device_json(
+    snap: DeviceSnapshot,
+    leases: Iterable[Lease],
+    viewer: Principal,
+    ctx: ViewContext,
+) -> dict:
+    """A device with telemetry, the leases on it and the processes using it."""
+    held_by = [lease for lease in leases if lease.holding and snap.uuid in lease.devices]
+    health = snap.health
+    if health == "ok" and snap.uuid in ctx.drained:
+        health = "drained"
+    processes = []
+    for proc in snap.processes:
+        kernel_id = ctx.process_kernels.get(proc.pid)
+        lease = next((le for le in held_by if le.kernel_id == kernel_id), None) if kernel_id else None
+        shown = kernel_id if kernel_id and (lease is None or viewer.sees(lease)) else None
+        processes.append({"pid": proc.pid, "memory_used": proc.memory_used, "kernel_id": shown})
+    return {
+        "uuid": snap.uuid,
+        "index": snap.index,
+        "name": snap.name,
+        "memory_total": snap.memory_total,
+        "memory_used": snap.memory_used,
+        "utilization": snap.utilization,
+        "health": health,
+        "drain_reason": ctx.drained.get(snap.uuid),
+        "parent_uuid": snap.parent_uuid,
+        "mig_profile": snap.mig_profile,
+        "lease_ids": [lease.id for lease in held_by],
+        "processes": processes,
+    }
+
+
+def queue_json(queue: Sequence[Lease], viewer: Principal) -> list[dict]:
+    out = []
+    for position, lease in enumerate(queue, start=1):
+        visible = viewer.sees(lease)
+        out.append(
+            {
+                "lease_id": lease.id,
+                "kernel_id": lease.kernel_id if visible else None,
+                "user": lease.user if visible else ANOTHER_USER,
+                "position": position,
+                "count": lease.count,
+                "waiting_since": iso(lease.queued_at),
+            }
+        )
+    return out
