@@ -47,6 +47,8 @@ def new_claim(
         raise SchedulingError(f"mode must be 'exclusive' or 'shared', not {mode!r}")
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise SchedulingError(f"priority must be a whole number, not {priority!r}")
+    if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory <= 0):
+        raise SchedulingError(f"memory must be a positive number of bytes, not {memory!r}")
     if not kernel_id or not isinstance(kernel_id, str):
         raise SchedulingError("kernel_id must be a non-empty string")
     return Lease(

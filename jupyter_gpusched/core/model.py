@@ -256,10 +256,11 @@ class Plan:
     next_wakeup: float | None
 
     def lease(self, lease_id: str) -> Lease | None:
-        for lease in self.leases:
-            if lease.id == lease_id:
-                return lease
-        return None
+        index = self.__dict__.get("_index")
+        if index is None:
+            index = {lease.id: lease for lease in self.leases}
+            object.__setattr__(self, "_index", index)
+        return index.get(lease_id)
 
     def position(self, lease_id: str) -> int | None:
         """1-based place of a pending lease in the fair queue."""

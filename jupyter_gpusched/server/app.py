@@ -10,6 +10,7 @@ from jupyter_core.paths import jupyter_runtime_dir
 from jupyter_server.extension.application import ExtensionApp
 from traitlets import Bool, Dict, Float, Int, List, Unicode, Union, default, validate
 from traitlets import TraitError
+from traitlets.config import Configurable
 
 from .. import core
 from ..core.model import FALLBACKS, POLICIES
@@ -29,7 +30,7 @@ SCHEDULING_TRAITS = (
 )
 
 
-class SchedulingConfig:
+class SchedulingConfig(Configurable):
     """The scheduling traits shared by ``GPUSchedApp`` and the hub's ``GPUBroker``."""
 
     backend = Unicode(
