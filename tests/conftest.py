@@ -1,0 +1,233 @@
+"""Shared fixtures: a real Jupyter server with the extension on simulated GPUs, and a clock."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ("pytest_jupyter.jupyter_server",)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def trace_path() -> Path:
+    """The NotebookOS trace: beside the checkout if present, else the copy in the repository."""
+    beside = ROOT.parent / "shared" / "traces" / "notebookos-adobe-2021-06-01-02.json"
+    return beside if beside.exists() else ROOT / "traces" / "notebookos-adobe-2021-06-01-02.json"
+
+
+class FakeClock:
+    """A clock that moves only when told to; starts at the real time."""
+
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def sched_config():
+    """Scheduling traits for a test server; tests override by updating the dict."""
+    return {
+        "backend": "simulated",
+        "simulated_devices": 2,
+        "idle_timeout": 300.0,
+        "contended_idle_timeout": 60.0,
+        "release_timeout": 3600.0,
+        "grace_period": 60.0,
+        "poll_interval": 0.5,
+    }
+
+
+@pytest.fixture
+def jp_server_config(sched_config, tmp_path):
+    cfg = dict(sched_config)
+    cfg.setdefault("ledger_path", str(tmp_path / "ledger.sqlite"))
+    return {
+        "ServerApp": {"jpserver_extensions": {"jupyter_gpusched": True}, "allow_root": True},
+        "GPUSchedApp": cfg,
+    }
+
+
+@pytest.fixture
+def gpu_kernelspec(jp_data_dir):
+    """A kernelspec named ``gpu`` that starts IPython kernels through gpusched-provisioner."""
+
+    def make(name: str = "gpu", **config) -> str:
+        spec_dir = jp_data_dir / "kernels" / name
+        spec_dir.mkdir(parents=True, exist_ok=True)
+        prov = {"gpus": 1, "bind": "lazy", **config}
+        spec = {
+            "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            "display_name": f"Python (GPU {name})",
+            "language": "python",
+            "metadata": {
+                "kernel_provisioner": {"provisioner_name": "gpusched-provisioner", "config": prov}
+            },
+        }
+        (spec_dir / "kernel.json").write_text(json.dumps(spec))
+        return name
+
+    return make
+
+
+@pytest.fixture
+def jp_serverapp(jp_serverapp, jp_asyncio_loop):
+    """The test server, with extensions started as ``jupyter server`` starts them."""
+    jp_asyncio_loop.run_until_complete(jp_serverapp.extension_manager.start_all_extensions())
+    return jp_serverapp
+
+
+@pytest.fixture
+def arbiter(jp_serverapp):
+    from jupyter_gpusched.server import registry
+
+    reg = registry.current()
+    assert reg is not None, "the extension did not start"
+    return reg.arbiter
+
+
+@pytest.fixture
+def use_clock(arbiter, clock):
+    """Put the server's arbiter and kernel watcher on the fake clock."""
+    arbiter.clock = clock
+    if arbiter.kernels is not None:
+        arbiter.kernels.clock = clock
+    return clock
+
+
+class KernelSession:
+    """A real kernel started through the REST API, driven over its websocket."""
+
+    def __init__(self, fetch, ws_fetch, kernel_id: str) -> None:
+        self.fetch = fetch
+        self.ws_fetch = ws_fetch
+        self.id = kernel_id
+        self.ws = None
+
+    async def connect(self) -> None:
+        self.ws = await self.ws_fetch("api", "kernels", self.id, "channels")
+
+    async def execute(self, code: str, timeout: float = 60.0) -> dict:
+        """Run ``code``; return {"stdout", "stderr", "error", "display"} once the cell is done."""
+        if self.ws is None:
+            await self.connect()
+        msg_id = uuid.uuid4().hex
+        msg = {
+            "header": {
+                "msg_id": msg_id,
+                "msg_type": "execute_request",
+                "username": "test",
+                "session": uuid.uuid4().hex,
+                "version": "5.3",
+                "date": "",
+            },
+            "parent_header": {},
+            "metadata": {},
+            "content": {"code": code, "silent": False, "store_history": True, "allow_stdin": False},
+            "channel": "shell",
+            "buffers": [],
+        }
+        await self.ws.write_message(json.dumps(msg))
+        out = {"stdout": "", "stderr": "", "error": None, "display": []}
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"cell did not finish in {timeout}s: {code!r}; so far {out}")
+            raw = await asyncio.wait_for(self.ws.read_message(), remaining)
+            if raw is None:
+                raise ConnectionError("kernel websocket closed")
+            reply = json.loads(raw)
+            if reply.get("parent_header", {}).get("msg_id") != msg_id:
+                continue
+            kind = reply["header"]["msg_type"]
+            content = reply["content"]
+            if kind == "stream":
+                out[content["name"]] += content["text"]
+            elif kind == "error":
+                out["error"] = f"{content['ename']}: {content['evalue']}"
+            elif kind in ("display_data", "update_display_data", "execute_result"):
+                out["display"].append(content.get("data", {}).get("text/plain", ""))
+            elif kind == "status" and content["execution_state"] == "idle":
+                return out
+
+    async def close(self) -> None:
+        if self.ws is not None:
+            self.ws.close()
+
+
+@pytest.fixture
+def start_kernel(jp_fetch, jp_ws_fetch):
+    """Start a real kernel of a kernelspec through the REST API."""
+    sessions: list[KernelSession] = []
+
+    async def start(name: str = "gpu") -> KernelSession:
+        r = await jp_fetch("api", "kernels", method="POST", body=json.dumps({"name": name}))
+        kernel_id = json.loads(r.body)["id"]
+        session = KernelSession(jp_fetch, jp_ws_fetch, kernel_id)
+        await session.connect()
+        sessions.append(session)
+        # Wait until the kernel answers.
+        await session.execute("1")
+        return session
+
+    yield start
+    for session in sessions:
+        try:
+            asyncio.get_event_loop().run_until_complete(session.close())
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+
+
+async def api(jp_fetch, *parts, method="GET", body=None, headers=None, **kwargs):
+    """Call the REST API; return (status, json or None) without raising on HTTP errors."""
+    from tornado.httpclient import HTTPClientError
+
+    try:
+        r = await jp_fetch(
+            "api",
+            "gpusched",
+            *parts,
+            method=method,
+            body=None if body is None else (body if isinstance(body, (str, bytes)) else json.dumps(body)),
+            headers=headers,
+            allow_nonstandard_methods=True,
+            **kwargs,
+        )
+        return r.code, (json.loads(r.body) if r.body else None)
+    except HTTPClientError as exc:
+        text = exc.response.body if exc.response is not None else b""
+        try:
+            return exc.code, json.loads(text) if text else None
+        except ValueError:
+            return exc.code, {"raw": text.decode(errors="replace")}
+
+
+def pytest_collection_modifyitems(config, items):
+    # Real-GPU tests run only when asked for with -m gpu.
+    if "gpu" in (config.getoption("-m") or ""):
+        return
+    skip = pytest.mark.skip(reason="needs a real NVIDIA GPU; run with -m gpu")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+os.environ.setdefault("JUPYTER_PLATFORM_DIRS", "1")

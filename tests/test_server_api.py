@@ -1,0 +1,204 @@
+"""The REST API against a real Jupyter server with the extension on two simulated GPUs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import api
+
+
+async def _kernel(jp_fetch) -> str:
+    r = await jp_fetch("api", "kernels", method="POST", body=json.dumps({"name": "python3"}))
+    return json.loads(r.body)["id"]
+
+
+def _ledger_rows(arbiter):
+    return [(le.id, le.state.value, le.devices, le.version) for le in arbiter.ledger.leases(live_only=False)]
+
+
+async def test_status_lists_simulated_gpus(jp_fetch):
+    code, status = await api(jp_fetch, "status")
+    assert code == 200
+    assert status["backend"] == "simulated"
+    assert status["mode"] == "standalone"
+    assert status["policy"] == "hybrid"
+    assert [d["index"] for d in status["devices"]] == [0, 1]
+    assert all(d["health"] == "ok" and d["memory_total"] == 80 * 1024**3 for d in status["devices"])
+    assert status["checkpoint"]["available"] is True
+    code, devices = await api(jp_fetch, "devices")
+    assert code == 200 and len(devices) == 2
+
+
+async def test_openapi_document_describes_the_api(jp_fetch):
+    code, doc = await api(jp_fetch, "openapi.json")
+    assert code == 200
+    assert doc["openapi"].startswith("3.")
+    for path in ("/api/gpusched/status", "/api/gpusched/leases", "/api/gpusched/leases/{lease_id}/keep"):
+        assert path in doc["paths"]
+    assert set(doc["components"]["schemas"]["Lease"]["properties"]) >= {
+        "id", "kernel_id", "user", "devices", "device_indices", "memory", "mode", "state", "position",
+        "granted_at", "last_active_at", "idle_seconds", "reclaim_at", "keep_until",
+    }
+
+
+async def test_claim_grant_release_round_trip(jp_fetch, arbiter):
+    k1, k2, k3 = [await _kernel(jp_fetch) for _ in range(3)]
+    code, lease1 = await api(jp_fetch, "leases", method="POST", body={"kernel_id": k1})
+    assert code == 201, lease1
+    assert lease1["state"] == "active" and len(lease1["devices"]) == 1
+    code, lease2 = await api(jp_fetch, "leases", method="POST", body={"kernel_id": k2, "count": 1})
+    assert code == 201
+    assert lease2["devices"] != lease1["devices"]
+    code, lease3 = await api(jp_fetch, "leases", method="POST", body={"kernel_id": k3})
+    assert code == 202
+    assert lease3["state"] == "pending" and lease3["position"] == 1
+
+    # Asking again for the same kernel returns the lease it has.
+    code, again = await api(jp_fetch, "leases", method="POST", body={"kernel_id": k1})
+    assert code == 200 and again["id"] == lease1["id"]
+
+    code, listed = await api(jp_fetch, "leases", params={"kernel_id": k2})
+    assert code == 200 and [le["id"] for le in listed] == [lease2["id"]]
+
+    code, _ = await api(jp_fetch, "leases", lease1["id"], method="DELETE")
+    assert code == 204
+    await arbiter.tick()
+    code, got = await api(jp_fetch, "leases", lease3["id"])
+    assert code == 200 and got["state"] == "active"
+    assert got["devices"] == lease1["devices"]
+    assert arbiter.ledger.check() == []
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ("{not json", "JSON"),
+        ("[1, 2]", "object"),
+        ({"count": 1}, "kernel_id"),
+        ({"kernel_id": 7}, "kernel_id"),
+        ({"kernel_id": "K", "count": 0}, "count"),
+        ({"kernel_id": "K", "count": -3}, "count"),
+        ({"kernel_id": "K", "count": "two"}, "count"),
+        ({"kernel_id": "K", "count": 1.5}, "count"),
+        ({"kernel_id": "K", "count": True}, "count"),
+        ({"kernel_id": "K", "memory": "lots"}, "memory"),
+        ({"kernel_id": "K", "memory": "9999PiB"}, "memory"),
+        ({"kernel_id": "K", "memory": "-16GiB"}, "memory"),
+        ({"kernel_id": "K", "memory": "0GiB"}, "memory"),
+        ({"kernel_id": "K", "memory": "500GiB"}, "memory"),
+        ({"kernel_id": "K", "mode": "greedy"}, "mode"),
+        ({"kernel_id": "K", "wait": "forever"}, "wait"),
+        ({"kernel_id": "K", "count": 3}, "GPU"),
+        ({"kernel_id": "K", "colour": "red"}, "colour"),
+    ],
+)
+async def test_bad_claims_are_refused_and_change_nothing(jp_fetch, arbiter, body, field):
+    kernel_id = await _kernel(jp_fetch)
+    if isinstance(body, dict) and body.get("kernel_id") == "K":
+        body = {**body, "kernel_id": kernel_id}
+    before = _ledger_rows(arbiter)
+    code, err = await api(jp_fetch, "leases", method="POST", body=body)
+    assert code == 400, err
+    assert field.lower() in err["message"].lower()
+    assert _ledger_rows(arbiter) == before
+
+
+async def test_unknown_lease_and_kernel(jp_fetch, arbiter):
+    before = _ledger_rows(arbiter)
+    assert (await api(jp_fetch, "leases", "nosuchlease"))[0] == 404
+    assert (await api(jp_fetch, "leases", "nosuchlease", method="DELETE"))[0] == 404
+    assert (await api(jp_fetch, "leases", "nosuchlease", "keep", method="POST", body={"seconds": 60}))[0] == 404
+    code, err = await api(jp_fetch, "leases", method="POST", body={"kernel_id": "not-a-kernel"})
+    assert code == 404 and "kernel" in err["message"]
+    assert _ledger_rows(arbiter) == before
+
+
+async def test_keep_bounds_and_conflicts(jp_fetch, arbiter):
+    kernel_id = await _kernel(jp_fetch)
+    code, lease = await api(jp_fetch, "leases", method="POST", body={"kernel_id": kernel_id})
+    assert code == 201
+    before = _ledger_rows(arbiter)
+    for bad in ({}, {"seconds": "soon"}, {"seconds": -5}, {"seconds": 10**9}, {"seconds": True}):
+        code, err = await api(jp_fetch, "leases", lease["id"], "keep", method="POST", body=bad)
+        assert code == 400, (bad, err)
+        assert "seconds" in err["message"] or "keep" in err["message"]
+    assert _ledger_rows(arbiter) == before
+    code, kept = await api(jp_fetch, "leases", lease["id"], "keep", method="POST", body={"seconds": "30m"})
+    assert code == 200 and kept["keep_until"] is not None
+    # A different claim for a kernel that already holds a lease is a conflict.
+    code, err = await api(jp_fetch, "leases", method="POST", body={"kernel_id": kernel_id, "count": 2})
+    assert code == 409 and "release it" in err["message"]
+
+
+async def test_kernel_token_acts_on_its_own_lease_only(jp_fetch, arbiter):
+    from jupyter_gpusched.server import registry
+
+    k1, k2 = await _kernel(jp_fetch), await _kernel(jp_fetch)
+    tokens = registry.current().tokens
+    t1 = tokens.issue(k1)
+    bare = {"Authorization": "", "X-GPUSched-Token": t1}
+    code, lease1 = await api(jp_fetch, "leases", method="POST", body={"kernel_id": k1}, headers=bare)
+    assert code == 201, lease1
+    code, lease2 = await api(jp_fetch, "leases", method="POST", body={"kernel_id": k2})
+    assert code == 201
+    before = _ledger_rows(arbiter)
+    # Kernel 1's token cannot touch kernel 2's lease, nor claim for kernel 2.
+    assert (await api(jp_fetch, "leases", lease2["id"], method="DELETE", headers=bare))[0] == 403
+    assert (await api(jp_fetch, "leases", lease2["id"], "keep", method="POST", body={"seconds": 5}, headers=bare))[0] == 403
+    assert (await api(jp_fetch, "leases", lease2["id"], headers=bare))[0] == 403
+    assert (await api(jp_fetch, "leases", method="POST", body={"kernel_id": k2}, headers=bare))[0] == 403
+    assert (await api(jp_fetch, "leases", params={"kernel_id": k2}, headers=bare))[0] == 403
+    # A forged token is refused outright; so is an admin action with a kernel token.
+    forged = {"Authorization": "", "X-GPUSched-Token": "forged"}
+    assert (await api(jp_fetch, "status", headers=forged))[0] == 403
+    uuid = lease1["devices"][0]
+    assert (await api(jp_fetch, "devices", uuid, "drain", method="POST", headers=bare))[0] == 403
+    assert _ledger_rows(arbiter) == before
+    # Its own lease it can read and release.
+    assert (await api(jp_fetch, "leases", lease1["id"], headers=bare))[0] == 200
+    assert (await api(jp_fetch, "leases", lease1["id"], method="DELETE", headers=bare))[0] == 204
+
+
+async def test_unauthenticated_requests_are_refused(jp_fetch):
+    code, _ = await api(jp_fetch, "status", headers={"Authorization": ""})
+    assert code == 403
+
+
+async def test_drained_device_gets_no_new_lease(jp_fetch, arbiter):
+    code, status = await api(jp_fetch, "status")
+    first, second = (d["uuid"] for d in status["devices"])
+    code, dev = await api(jp_fetch, "devices", first, "drain", method="POST", body={"reason": "maintenance"})
+    assert code == 200 and dev["health"] == "drained"
+    k1, k2 = await _kernel(jp_fetch), await _kernel(jp_fetch)
+    code, lease = await api(jp_fetch, "leases", method="POST", body={"kernel_id": k1})
+    assert code == 201 and lease["devices"] == [second]
+    code, pending = await api(jp_fetch, "leases", method="POST", body={"kernel_id": k2})
+    assert code == 202 and pending["position"] == 1
+    assert (await api(jp_fetch, "devices", "GPU-nope", "drain", method="POST"))[0] == 404
+    code, _ = await api(jp_fetch, "devices", first, "undrain", method="POST")
+    assert code == 200
+    await arbiter.tick()
+    code, got = await api(jp_fetch, "leases", pending["id"])
+    assert got["state"] == "active" and got["devices"] == [first]
+
+
+async def test_all_gpus_drained_is_503(jp_fetch, arbiter):
+    code, status = await api(jp_fetch, "status")
+    for device in status["devices"]:
+        await api(jp_fetch, "devices", device["uuid"], "drain", method="POST")
+    kernel_id = await _kernel(jp_fetch)
+    before = _ledger_rows(arbiter)
+    code, err = await api(jp_fetch, "leases", method="POST", body={"kernel_id": kernel_id})
+    assert code == 503 and "drained" in err["message"]
+    assert _ledger_rows(arbiter) == before
+
+
+@pytest.mark.parametrize("sched_config", [{"backend": "auto"}], indirect=False)
+async def test_no_inventory_is_503(jp_fetch, sched_config):
+    code, status = await api(jp_fetch, "status")
+    assert code == 200 and status["backend"] == "none" and status["devices"] == []
+    kernel_id = await _kernel(jp_fetch)
+    code, err = await api(jp_fetch, "leases", method="POST", body={"kernel_id": kernel_id})
+    assert code == 503 and "simulated" in err["message"]
