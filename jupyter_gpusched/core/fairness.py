@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from .model import Device, Lease, SchedConfig
 from .placement import schedulable
@@ -85,14 +85,27 @@ def queue_key(lease: Lease, usage: Usage, now: float, cfg: SchedConfig) -> tuple
     )
 
 
-def fair_order(pending: Sequence[Lease], usage: Usage, now: float, cfg: SchedConfig) -> list[Lease]:
+def fair_order(
+    pending: Sequence[Lease],
+    usage: Usage,
+    now: float,
+    cfg: SchedConfig,
+    serve: Callable[[Lease], bool] | None = None,
+) -> list[Lease]:
     """Pending claims in the order they would be served if each were granted in turn.
 
     Each user's own claims go by priority then age; across users the head claims compete by
     :func:`queue_key`, recomputed for a user after each of their claims is counted as granted.
+    With ``serve``, each claim is offered to it in that order, and counts against its user only
+    if ``serve`` returns True (it was granted): a claim that does not fit must not make the same
+    user's next claim look like borrowing.
     """
     if cfg.policy == "static":
-        return sorted(pending, key=lambda lease: queue_key(lease, usage, now, cfg))
+        ordered = sorted(pending, key=lambda lease: queue_key(lease, usage, now, cfg))
+        if serve is not None:
+            for lease in ordered:
+                serve(lease)
+        return ordered
     shadow = Usage((), usage._quotas, usage._share)
     shadow.held = defaultdict(int, usage.held)
     shadow.groups = dict(usage.groups)
@@ -109,7 +122,8 @@ def fair_order(pending: Sequence[Lease], usage: Usage, now: float, cfg: SchedCon
         _, user = heapq.heappop(heap)
         lease = per_user[user].pop()
         ordered.append(lease)
-        shadow.add(lease)
+        if serve is None or serve(lease):
+            shadow.add(lease)
         if per_user[user]:
             heapq.heappush(heap, (queue_key(per_user[user][-1], shadow, now, cfg), user))
     return ordered

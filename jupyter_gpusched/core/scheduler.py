@@ -78,10 +78,7 @@ class _Pass:
         limits = _Limits(idle.host_prior(self.live()), self.cfg)
         self.mark_idle(limits)
         usage = fairness.Usage(self.live(), self.cfg.quotas, fairness.fair_share(self.devices, self.live()))
-        queue = fairness.fair_order(
-            [le for le in self.live() if le.state == LeaseState.PENDING], usage, self.now, self.cfg
-        )
-        blocked = self.grant(queue, usage)
+        queue, blocked = self.grant([le for le in self.live() if le.state == LeaseState.PENDING], usage)
         wanted = self.victims_for(blocked, usage, limits)
         wanted.update(self.uncontended(limits))
         self.reclaim(wanted)
@@ -150,15 +147,17 @@ class _Pass:
         """
         return self.placement_for(lease, ()) is not None
 
-    def grant(self, queue: list[Lease], usage: fairness.Usage) -> list[Lease]:
-        """Grant what fits in fair order; return the claims left waiting."""
+    def grant(self, pending: list[Lease], usage: fairness.Usage) -> tuple[list[Lease], list[Lease]]:
+        """Grant what fits in fair order; return the fair queue and the claims left waiting."""
         blocked: list[Lease] = []
         reserved = False
-        for lease in queue:
+
+        def serve(lease: Lease) -> bool:
+            nonlocal reserved
             lease = self.leases[lease.id]
             if reserved:
                 blocked.append(lease)
-                continue
+                return False
             chosen = self.placement_for(lease, self.live())
             if chosen is None:
                 blocked.append(lease)
@@ -172,7 +171,7 @@ class _Pass:
                 why = self.why_waiting(lease, possible)
                 if why != lease.reason:
                     self.set(replace(lease, reason=why))
-                continue
+                return False
             devices, reason = chosen
             restored = bool(lease.home)
             verb = "restored onto" if restored else "granted"
@@ -194,7 +193,10 @@ class _Pass:
                 text,
             )
             usage.add(lease)
-        return blocked
+            return True
+
+        queue = fairness.fair_order(pending, usage, self.now, self.cfg, serve=serve)
+        return queue, blocked
 
     def why_waiting(self, lease: Lease, possible: bool) -> str:
         if not possible and lease.home and not self.caps.remap:
