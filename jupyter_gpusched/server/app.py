@@ -15,7 +15,7 @@ from traitlets.config import Configurable
 from .. import core
 from ..core.model import FALLBACKS, POLICIES
 
-BACKENDS = ("auto", "nvml", "simulated")
+from ..devices.base import BACKENDS
 SCHEDULING_TRAITS = (
     "policy",
     "idle_timeout",
@@ -172,11 +172,7 @@ def open_inventory(backend: str, simulated_devices: Any, state_path: str | None,
         snap = device_backend.snapshot()
     except InventoryUnavailable as exc:
         if backend == "auto":
-            log.warning(
-                "GPU scheduler: no GPUs found (%s). Kernels will get no GPU. "
-                "To try the scheduler without GPUs set c.GPUSchedApp.backend = 'simulated'.",
-                exc,
-            )
+            log.warning("GPU scheduler: no GPUs found. %s", exc)
             return None, str(exc)
         raise
     log.info("GPU scheduler: %s backend with %d GPU(s)", device_backend.name, len(snap))

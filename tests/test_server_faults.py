@@ -1,0 +1,223 @@
+"""Faults: kernels killed, servers killed and restarted, GPUs lost mid-lease."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import psutil
+import pytest
+
+from conftest import api
+from jupyter_gpusched.ledger import Ledger
+
+
+async def _kernel(jp_fetch) -> str:
+    r = await jp_fetch("api", "kernels", method="POST", body=json.dumps({"name": "python3"}))
+    return json.loads(r.body)["id"]
+
+
+async def test_kernel_killed_frees_its_lease_within_two_ticks(jp_fetch, arbiter):
+    k1, k2 = await _kernel(jp_fetch), await _kernel(jp_fetch)
+    _, lease1 = await api(jp_fetch, "leases", method="POST", body={"kernel_id": k1})
+    _, lease2 = await api(jp_fetch, "leases", method="POST", body={"kernel_id": k2})
+    assert lease1["state"] == lease2["state"] == "active"
+    k3 = await _kernel(jp_fetch)
+    code, waiting = await api(jp_fetch, "leases", method="POST", body={"kernel_id": k3})
+    assert code == 202
+
+    pid = arbiter.kernels.kernel_pid(k1)
+    os.kill(pid, signal.SIGKILL)
+    psutil.Process(pid).wait(timeout=10) if psutil.pid_exists(pid) else None
+    for _ in range(2):
+        await arbiter.tick()
+    _, got = await api(jp_fetch, "leases", lease1["id"])
+    assert got["state"] == "released"
+    assert "gone" in got["reason"] or "shut down" in got["reason"]
+    _, got3 = await api(jp_fetch, "leases", waiting["id"])
+    assert got3["state"] == "active" and got3["devices"] == lease1["devices"]
+    assert arbiter.ledger.check() == []
+
+
+async def test_lost_gpu_releases_its_leases_and_new_claims_go_elsewhere(jp_fetch, arbiter):
+    k1 = await _kernel(jp_fetch)
+    _, lease1 = await api(jp_fetch, "leases", method="POST", body={"kernel_id": k1})
+    lost_uuid = lease1["devices"][0]
+    notices = []
+    arbiter.subscribe(lambda event: notices.append(event.notice) if event.type == "notice" else None)
+
+    arbiter.backend.lose(lost_uuid)
+    await arbiter.tick()
+
+    _, got = await api(jp_fetch, "leases", lease1["id"])
+    assert got["state"] == "released" and "lost" in got["reason"]
+    assert any(n["kind"] == "lost" and n["kernel_id"] == k1 for n in notices)
+    _, status = await api(jp_fetch, "status")
+    assert {d["uuid"]: d["health"] for d in status["devices"]}[lost_uuid] == "lost"
+
+    # The kernel asks again and lands on the healthy GPU; a second kernel now waits.
+    code, again = await api(jp_fetch, "leases", method="POST", body={"kernel_id": k1})
+    assert code == 201 and again["devices"] != [lost_uuid]
+    k2 = await _kernel(jp_fetch)
+    code, pending = await api(jp_fetch, "leases", method="POST", body={"kernel_id": k2})
+    assert code == 202
+
+
+# -- a real server process, killed and started again ------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, tmp_path, ledger: str, port: int) -> None:
+        self.port = port
+        self.token = "test-token"
+        env = dict(os.environ)
+        env["JUPYTER_RUNTIME_DIR"] = str(tmp_path / "runtime")
+        env["JUPYTER_CONFIG_DIR"] = str(tmp_path / "config")
+        env["JUPYTER_DATA_DIR"] = str(tmp_path / "data")
+        self.log = open(tmp_path / f"server-{port}-{time.monotonic_ns()}.log", "w")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "jupyter_server",
+                f"--port={port}", "--ip=127.0.0.1", "--no-browser", "--allow-root",
+                f"--IdentityProvider.token={self.token}",
+                f"--ServerApp.root_dir={tmp_path}",
+                "--ServerApp.jpserver_extensions={'jupyter_gpusched': True}",
+                "--GPUSchedApp.backend=simulated",
+                "--GPUSchedApp.simulated_devices=2",
+                f"--GPUSchedApp.ledger_path={ledger}",
+                "--GPUSchedApp.poll_interval=0.5",
+            ],
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                self.call("GET", "api/gpusched/status")
+                return
+            except OSError:
+                time.sleep(0.3)
+        raise RuntimeError(f"server on port {port} did not start")
+
+    def call(self, method: str, path: str, body=None):
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/{path}",
+            data=None if body is None else json.dumps(body).encode(),
+            method=method,
+            headers={"Authorization": f"token {self.token}", "Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            raw = resp.read()
+            return resp.status, json.loads(raw) if raw else None
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
+def _wait_for(predicate, timeout=20.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.25)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.slow
+def test_server_killed_and_restarted_reconciles_the_ledger(tmp_path):
+    """Server A is killed; its kernels die with it. Server B shares the ledger and lives on.
+
+    A new server on the same ledger releases A's leases (their owners are gone) and keeps B's
+    (their owner lives).
+    """
+    ledger_path = str(tmp_path / "ledger.sqlite")
+    a = ServerProcess(tmp_path, ledger_path, _free_port())
+    b = ServerProcess(tmp_path, ledger_path, _free_port())
+    restarted = None
+    try:
+        _, ka = a.call("POST", "api/kernels", {"name": "python3"})
+        _, kb = b.call("POST", "api/kernels", {"name": "python3"})
+        _, lease_a = a.call("POST", "api/gpusched/leases", {"kernel_id": ka["id"]})
+        _, lease_b = b.call("POST", "api/gpusched/leases", {"kernel_id": kb["id"]})
+        assert lease_a["state"] == lease_b["state"] == "active"
+        owners = Ledger(ledger_path).owners()
+        pid_a = owners[lease_a["id"]].process.pid
+        assert pid_a != a.proc.pid, "the kernel process, not the server, owns the lease"
+
+        a.kill()
+        # The kernel notices its parent is gone and exits.
+        _wait_for(
+            lambda: not psutil.pid_exists(pid_a) or psutil.Process(pid_a).status() == psutil.STATUS_ZOMBIE,
+            timeout=30,
+            what="server A's kernel to exit",
+        )
+        restarted = ServerProcess(tmp_path, ledger_path, _free_port())
+
+        def states():
+            return {le.id: le.state.value for le in Ledger(ledger_path).leases(live_only=False)}
+
+        _wait_for(lambda: states()[lease_a["id"]] == "released", what="the dead kernel's lease to be released")
+        assert states()[lease_b["id"]] == "active"
+        assert Ledger(ledger_path).check() == []
+
+        # The freed GPU goes to a kernel of the restarted server.
+        _, kernel = restarted.call("POST", "api/kernels", {"name": "python3"})
+        code, lease = restarted.call("POST", "api/gpusched/leases", {"kernel_id": kernel["id"]})
+        assert code == 201 and lease["devices"] == lease_a["devices"]
+        assert Ledger(ledger_path).check() == []
+    finally:
+        for server in (a, b, restarted):
+            if server is not None:
+                server.stop()
+
+
+@pytest.mark.slow
+def test_two_servers_share_one_ledger_without_double_grants(tmp_path):
+    ledger_path = str(tmp_path / "ledger.sqlite")
+    a = ServerProcess(tmp_path, ledger_path, _free_port())
+    b = ServerProcess(tmp_path, ledger_path, _free_port())
+    try:
+        results = []
+        for server in (a, b, a, b):
+            _, kernel = server.call("POST", "api/kernels", {"name": "python3"})
+            results.append(server.call("POST", "api/gpusched/leases", {"kernel_id": kernel["id"]}))
+        granted = [lease for code, lease in results if code == 201]
+        waiting = [lease for code, lease in results if code == 202]
+        assert len(granted) == 2 and len(waiting) == 2
+        assert {d for lease in granted for d in lease["devices"]} == set(granted[0]["devices"]) | set(granted[1]["devices"])
+        assert len({d for lease in granted for d in lease["devices"]}) == 2
+        # Release on server a: the first waiter (on server a) gets it, whichever server ticks.
+        a.call("DELETE", f"api/gpusched/leases/{granted[0]['id']}")
+
+        def active():
+            leases = Ledger(ledger_path).leases()
+            return [le for le in leases if le.state.value == "active"]
+
+        _wait_for(lambda: len(active()) == 2, what="the waiting claim to be granted")
+        assert Ledger(ledger_path).check() == []
+    finally:
+        a.stop()
+        b.stop()
