@@ -1,0 +1,239 @@
+"""The ``jupyter gpusched`` command line (console script ``jupyter-gpusched``).
+
+Each verb is a subcommand that registers its own parser in :data:`VERBS` and is run by the
+function stored as its ``handler``; the handler returns the exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields
+from typing import Callable, Sequence
+
+from ._version import __version__
+from .core.model import FALLBACKS, SchedConfig, SchedulingError
+from .core.units import parse_duration
+
+PROG = "jupyter gpusched"
+
+
+# -- argument types ------------------------------------------------------------------------------
+def _duration(text: str) -> float:
+    try:
+        return parse_duration(text, "duration")
+    except SchedulingError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected 1 or more, not {value}")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, not {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more, not {text}")
+    return value
+
+
+def _quota(text: str) -> tuple[str, float]:
+    key, sep, value = text.rpartition("=")
+    if not sep or not key or not (key == "*" or key.startswith(("user:", "group:"))):
+        raise argparse.ArgumentTypeError(f"a quota is 'user:NAME=GPUS', 'group:NAME=GPUS' or '*=GPUS', not {text!r}")
+    return key, _non_negative(value)
+
+
+# -- simulate ------------------------------------------------------------------------------------
+_DEFAULTS = {f.name: f.default for f in fields(SchedConfig) if f.name != "quotas"}
+
+
+def _add_simulate(verbs: argparse._SubParsersAction) -> None:
+    from .simulate import POLICIES
+
+    parser = verbs.add_parser(
+        "simulate",
+        help="replay a workload trace through the scheduler on a virtual clock",
+        description=(
+            "Replay a workload trace (NotebookOS JSON or our CSV) through the real scheduling core "
+            "with a virtual clock, next to the oracle and culling baselines, and report GPU-hours "
+            "held, cell delays and disruptions per policy. Defaults are those of GPUSchedApp."
+        ),
+    )
+    parser.add_argument("--trace", required=True, metavar="PATH", help="trace file (.json NotebookOS, .csv ours)")
+    parser.add_argument(
+        "--gpus", type=_positive_int, metavar="N", help="GPUs on the simulated host (default: what static allocation needs)"
+    )
+    parser.add_argument(
+        "--policy", default="all", choices=(*POLICIES, "all"), metavar="P|all",
+        help=f"one of {', '.join(POLICIES)}, or all (default)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object keyed by policy")
+    parser.add_argument("--plot", metavar="PNG", help="write a PNG of GPUs held over time against GPUs busy")
+    parser.add_argument(
+        "--find-capacity", action="store_true",
+        help="also find per policy the fewest GPUs with p95 cell delay <= 5 s and no disruption",
+    )
+    host = parser.add_argument_group("simulated host")
+    host.add_argument(
+        "--bandwidth", type=float, default=10.0, metavar="GBPS",
+        help="checkpoint/restore bandwidth in GB/s (default 10)",
+    )
+    host.add_argument(
+        "--restore-fixed", type=_non_negative, default=0.3, metavar="S",
+        help="fixed cost of one checkpoint or restore in seconds (default 0.3)",
+    )
+    host.add_argument(
+        "--cull-timeout", type=_duration, metavar="S",
+        help="idle seconds before the cull baseline culls a kernel (default: --release-timeout; 0 = never)",
+    )
+    host.add_argument(
+        "--tick-seconds", type=float, default=60.0, metavar="S",
+        help="seconds per tick of a NotebookOS trace (default 60)",
+    )
+    knobs = parser.add_argument_group("scheduling (as the GPUSchedApp traits)")
+    for name, help_text in (
+        ("idle_timeout", "seconds without execution and GPU use before a lease counts idle"),
+        ("contended_idle_timeout", "seconds an idle borrowed lease is kept while someone waits"),
+        ("release_timeout", "seconds an idle lease is kept with nobody waiting; 0 = forever"),
+        ("grace_period", "notice in seconds before a disruptive reclaim"),
+        ("backfill_wait", "seconds a blocked claim waits before smaller ones may no longer pass it"),
+    ):
+        knobs.add_argument(
+            "--" + name.replace("_", "-"), type=_duration, default=_DEFAULTS[name], metavar="S",
+            help=f"{help_text} (default {_DEFAULTS[name]:g})",
+        )
+    knobs.add_argument("--reclaim-fallback", choices=FALLBACKS, default=_DEFAULTS["reclaim_fallback"])
+    knobs.add_argument(
+        "--checkpoint", choices=("auto", "off"), default=_DEFAULTS["checkpoint"],
+        help="auto: the simulated driver checkpoints idle kernels; off: never (default auto)",
+    )
+    knobs.add_argument(
+        "--idle-utilization-threshold", type=_non_negative, default=_DEFAULTS["idle_utilization_threshold"],
+        metavar="PERCENT", help=f"GPU use below which a kernel counts idle (default {_DEFAULTS['idle_utilization_threshold']:g})",
+    )
+    knobs.add_argument(
+        "--quota", type=_quota, action="append", default=[], metavar="KEY=GPUS",
+        help="guaranteed GPUs, e.g. 'user:alice=2', 'group:students=1', '*=1' (repeatable; default: fair share)",
+    )
+    knobs.add_argument(
+        "--no-adaptive", dest="adaptive", action="store_false",
+        help="fixed idle timeouts instead of learning each kernel's pauses",
+    )
+    parser.set_defaults(handler=_simulate)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from .simulate import POLICIES, ReplayOptions, SimulationError, TraceError, find_capacity, load_trace, simulate
+    from .simulate.capacity import good_enough
+    from .simulate.report import as_json, plot, table
+
+    try:
+        config = SchedConfig(
+            idle_timeout=args.idle_timeout,
+            contended_idle_timeout=args.contended_idle_timeout,
+            release_timeout=args.release_timeout,
+            grace_period=args.grace_period,
+            reclaim_fallback=args.reclaim_fallback,
+            checkpoint=args.checkpoint,
+            idle_utilization_threshold=args.idle_utilization_threshold,
+            quotas=dict(args.quota),
+            adaptive=args.adaptive,
+            backfill_wait=args.backfill_wait,
+        )
+        options = ReplayOptions(
+            config=config,
+            bandwidth_gbps=args.bandwidth,
+            restore_fixed_s=args.restore_fixed,
+            cull_timeout=args.cull_timeout,
+        )
+        if args.tick_seconds <= 0:
+            raise SimulationError("--tick-seconds must be more than 0")
+        trace = load_trace(args.trace, tick_seconds=args.tick_seconds)
+        gpus = args.gpus if args.gpus is not None else max(trace.static_peak(), 1)
+        policies = POLICIES if args.policy == "all" else (args.policy,)
+        results = {policy: simulate(trace, policy, gpus, options) for policy in policies}
+        capacities = None
+        if args.find_capacity:
+            capacities = {
+                policy: find_capacity(trace, policy, options, known={gpus: good_enough(results[policy])})
+                for policy in policies
+            }
+    except (TraceError, SimulationError, SchedulingError) as err:
+        return _fail("simulate", str(err))
+
+    if args.plot:
+        try:
+            plot(results, args.plot, title=f"{_name(trace.source)} on {gpus} GPUs")
+        except (RuntimeError, OSError) as err:
+            return _fail("simulate", f"cannot write the plot to {args.plot}: {err}")
+    if args.json:
+        print(json.dumps(as_json(results, capacities), indent=2))
+        return 0
+    gpu_sessions = trace.gpu_sessions
+    cells = sum(len(s.cells) for s in gpu_sessions)
+    print(
+        f"{_name(trace.source)}: {len(trace.sessions)} sessions ({len(gpu_sessions)} need GPUs, "
+        f"{cells} cells counted); host of {gpus} GPUs; static allocation needs {trace.static_peak()}"
+    )
+    print()
+    print(table(results, capacities))
+    print()
+    print("delay: from a cell's start in the trace until it really starts (queue wait plus restore)")
+    if capacities is not None:
+        print("capacity: fewest GPUs with p95 cell delay <= 5 s and no disruption ('none': not even "
+              f"{trace.static_peak()})")
+    if args.plot:
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def _name(source: str) -> str:
+    return source.replace("\\", "/").rsplit("/", 1)[-1] or "trace"
+
+
+def _fail(verb: str, message: str) -> int:
+    print(f"{PROG} {verb}: error: {message}", file=sys.stderr)
+    return 2
+
+
+# -- entry point ---------------------------------------------------------------------------------
+#: Functions that add one verb's subparser each (``status``, ``release``, ``drain``,
+#: ``kernelspec`` and ``broker`` join ``simulate`` here).
+VERBS: list[Callable[[argparse._SubParsersAction], None]] = [_add_simulate]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Fair, dynamic GPU sharing for Jupyter: command line tools."
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    verbs = parser.add_subparsers(dest="verb", metavar="VERB")
+    for add in VERBS:
+        add(verbs)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``jupyter gpusched VERB ...``; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return handler(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

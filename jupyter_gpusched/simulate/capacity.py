@@ -1,0 +1,92 @@
+"""Capacity planning: the smallest host that serves a trace well under a policy."""
+
+from __future__ import annotations
+
+import math
+
+from .replay import ReplayOptions, Result, simulate
+from .trace import Trace
+
+#: A host is good enough when this percentile of cell delays is at most ``MAX_DELAY_S`` ...
+QUANTILE = 95.0
+MAX_DELAY_S = 5.0
+# ... and nobody lost their kernel's state.
+
+
+def good_enough(result: Result) -> bool:
+    return result.cell_delay_p95_s <= MAX_DELAY_S and result.disruptions == 0
+
+
+def _late_cells_that_fail(cells: int) -> int:
+    """Cells over ``MAX_DELAY_S`` that make the p95 fail whatever the others wait.
+
+    With linear interpolation the p95 lies between the sorted delays at ranks ``floor(r)`` and
+    ``floor(r) + 1`` (``r = 0.95 (n - 1)``); once ``n - floor(r)`` cells are late, both are.
+    """
+    if cells <= 0:
+        return 1
+    return cells - math.floor((cells - 1) * QUANTILE / 100.0)
+
+
+def counted_cells(trace: Trace) -> int:
+    return sum(len(s.cells) for s in trace.gpu_sessions)
+
+
+def meets_target(trace: Trace, policy: str, gpus: int, options: ReplayOptions | None = None) -> bool:
+    """Whether ``gpus`` GPUs serve ``trace`` under ``policy`` with p95 delay <= 5 s and no disruption.
+
+    The replay stops as soon as the answer is known to be no.
+    """
+    result = simulate(
+        trace,
+        policy,
+        gpus,
+        options,
+        abort_after_late=_late_cells_that_fail(counted_cells(trace)),
+        late_after_s=MAX_DELAY_S,
+        abort_on_disruption=True,
+    )
+    return result is not None and good_enough(result)
+
+
+def find_capacity(
+    trace: Trace,
+    policy: str,
+    options: ReplayOptions | None = None,
+    *,
+    known: dict[int, bool] | None = None,
+) -> int | None:
+    """The fewest GPUs at which ``policy`` meets the target, or ``None`` if even as many as static
+    allocation needs do not.
+
+    A bisection between the largest single claim and the static need; it assumes that more GPUs
+    never make things worse. ``known`` passes verdicts already at hand (host size -> good enough),
+    for example of the run the user asked for, and collects the new ones.
+    """
+    verdicts = known if known is not None else {}
+
+    def ok(gpus: int) -> bool:
+        if gpus not in verdicts:
+            verdicts[gpus] = meets_target(trace, policy, gpus, options)
+        return verdicts[gpus]
+
+    high = max(trace.static_peak(), trace.largest_claim())
+    low = max(trace.largest_claim(per_cell=policy == "oracle"), 1)
+    # Verdicts at hand narrow the search before any replay runs.
+    for gpus, good in verdicts.items():
+        if good and low <= gpus < high:
+            high = gpus
+    for gpus, good in verdicts.items():
+        if not good and low <= gpus + 1 <= high:
+            low = max(low, gpus + 1)
+    if not trace.gpu_sessions:
+        return 0
+    if not ok(high):
+        return None
+    while low < high:
+        middle = (low + high) // 2
+        if ok(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return high

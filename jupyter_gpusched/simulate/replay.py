@@ -1,0 +1,567 @@
+"""Replay a trace through the real scheduling core on a virtual clock.
+
+The replay is event driven: trace events (a session starts or stops, a cell is ready, a cell ends,
+a checkpoint finishes) are processed in time order, and after each instant the simulator, acting
+as the arbiter, runs one :func:`jupyter_gpusched.core.plan` pass, carries out its decisions and
+comes back at ``Plan.next_wakeup``. Nothing here decides who gets a GPU: the core does.
+
+How sessions use GPUs, per policy:
+
+* ``dynamic`` / ``hybrid``: lazy binding. A session's first cell claims its lease of
+  ``session.gpus`` GPUs; every cell (even a CPU-only one: a kernel cannot know ahead whether a cell
+  touches the GPU) needs that lease. The kernel is busy while a cell runs and keeps the last cell's
+  GPU memory between cells. A ``checkpoint`` reclaim suspends the lease (the GPUs stay busy until
+  the checkpoint is written); the next cell asks for it back and waits for the grant plus the
+  restore (memory / bandwidth + a fixed cost). ``restart`` / ``shutdown`` lose the kernel's state
+  (a disruption) and the next cell claims anew.
+* ``static``: the lease is claimed when the session starts and held until it stops.
+* ``oracle`` (baseline, not a core policy): GPUs held exactly while a cell with ``gpus > 0`` runs,
+  the cell's own ``gpus``; restores are free; cells queue (first come, first served) only when the
+  host is full.
+* ``cull`` (baseline): static binding plus jupyter_server's idle culler: a kernel idle for
+  ``cull_timeout`` is shut down, freeing its GPUs; the next cell the user runs finds it gone (a
+  disruption), starts a new kernel and waits for GPUs again.
+
+A cell's delay is the time from its start in the trace to when it really starts (queue wait plus
+restore, plus any delay passed on by the cells before it: a session runs its cells one after
+another, each ``duration`` long, the next one at the later of its trace start and the previous
+cell's end). A session stops at the later of its trace stop and its last cell's end.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field, replace
+
+from ..core import idle
+from ..core.lifecycle import new_claim, request_resume, step_done, suspended
+from ..core.model import (
+    Capabilities,
+    Device,
+    GiB,
+    KernelActivity,
+    Lease,
+    LeaseState,
+    SchedConfig,
+    Step,
+)
+from ..core.scheduler import plan
+from .trace import Session, Trace
+
+#: Policies the simulator replays: the core's three and two baselines.
+POLICIES = ("static", "dynamic", "hybrid", "oracle", "cull")
+#: What DESIGN section 9 reports per policy, in order.
+METRICS = (
+    "gpu_hours_held",
+    "gpu_hours_busy",
+    "efficiency",
+    "cell_delay_p50_s",
+    "cell_delay_p95_s",
+    "cell_delay_p99_s",
+    "disruptions",
+    "suspends",
+    "restores",
+    "peak_gpus_held",
+)
+
+GB = 10**9
+
+# Events at one instant are handled in this order: what frees GPUs before what asks for them.
+_END, _SUSPENDED, _CULL, _STOP, _START, _READY, _WAKE = range(7)
+
+
+class SimulationError(ValueError):
+    """A replay that cannot be run as asked; the message says what to change."""
+
+
+class _Abort(Exception):
+    """A replay stopped early because its outcome was already decided (capacity search)."""
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    """How the simulated host behaves, beside the scheduling knobs in ``config``.
+
+    ``config.policy`` is ignored: each replay sets the policy it runs. ``cull_timeout`` ``None``
+    means ``config.release_timeout`` (0: never cull).
+    """
+
+    config: SchedConfig = field(default_factory=SchedConfig)
+    bandwidth_gbps: float = 10.0
+    restore_fixed_s: float = 0.3
+    cull_timeout: float | None = None
+    capabilities: Capabilities = Capabilities(
+        checkpoint=True, checkpoint_reason="the simulated driver can checkpoint", remap=True
+    )
+    device_memory: int = 80 * GiB
+
+    def __post_init__(self) -> None:
+        if self.bandwidth_gbps <= 0:
+            raise SimulationError("bandwidth must be more than 0 GB/s")
+        if self.restore_fixed_s < 0:
+            raise SimulationError("the fixed restore cost must be 0 or more seconds")
+        if self.cull_timeout is not None and self.cull_timeout < 0:
+            raise SimulationError("cull timeout must be 0 or more seconds")
+
+    def transfer_seconds(self, memory: int | None) -> float:
+        """Time to checkpoint or restore ``memory`` bytes of GPU state."""
+        if not memory:
+            return 0.0
+        return memory / (self.bandwidth_gbps * GB) + self.restore_fixed_s
+
+    @property
+    def effective_cull_timeout(self) -> float:
+        return self.config.release_timeout if self.cull_timeout is None else self.cull_timeout
+
+
+@dataclass(frozen=True)
+class Result:
+    """The outcome of one replay: the section 9 metrics plus the timelines behind them."""
+
+    policy: str
+    gpus: int
+    gpu_hours_held: float
+    gpu_hours_busy: float
+    efficiency: float | None
+    cell_delay_p50_s: float
+    cell_delay_p95_s: float
+    cell_delay_p99_s: float
+    disruptions: int
+    suspends: int
+    restores: int
+    peak_gpus_held: int
+    #: ``(time, GPUs held from then on)`` at every change.
+    held: tuple[tuple[float, int], ...] = ()
+    #: ``(time, GPUs busy from then on)`` at every change.
+    busy: tuple[tuple[float, int], ...] = ()
+    #: Delay of every counted cell, in trace order per session.
+    delays: tuple[float, ...] = ()
+    #: Scheduling passes run.
+    passes: int = 0
+
+    def metrics(self) -> dict[str, float | int | None]:
+        """The section 9 fields, rounded for people (hours to 1/1000, seconds to 1/100)."""
+        out: dict[str, float | int | None] = {}
+        for name in METRICS:
+            value = getattr(self, name)
+            if isinstance(value, float):
+                value = round(value, 2 if name.endswith("_s") else 4 if name == "efficiency" else 3)
+            out[name] = value
+        return out
+
+
+def percentile(values: list[float] | tuple[float, ...], q: float) -> float:
+    """The ``q``-th percentile (0-100) with linear interpolation between ranks (as numpy)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def simulate(
+    trace: Trace,
+    policy: str,
+    gpus: int,
+    options: ReplayOptions | None = None,
+    *,
+    abort_after_late: int | None = None,
+    late_after_s: float = 5.0,
+    abort_on_disruption: bool = False,
+) -> Result | None:
+    """Replay ``trace`` under ``policy`` on a host of ``gpus`` GPUs.
+
+    ``abort_after_late``: stop and return ``None`` as soon as that many cells waited more than
+    ``late_after_s``; ``abort_on_disruption``: likewise at the first disruption (both for searches
+    that only need to know whether a host size is good enough).
+    """
+    if policy not in POLICIES:
+        raise SimulationError(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
+    replay = _Replay(trace, policy, gpus, options or ReplayOptions())
+    replay.abort_after_late = abort_after_late
+    replay.late_after_s = late_after_s
+    replay.abort_on_disruption = abort_on_disruption
+    try:
+        return replay.run()
+    except _Abort:
+        return None
+
+
+class _Kernel:
+    """What the simulated arbiter knows of one session's kernel."""
+
+    __slots__ = (
+        "session",
+        "index",
+        "lease_id",
+        "claims",
+        "waiting",
+        "running",
+        "memory",
+        "util",
+        "last_busy_at",
+        "restore",
+        "resuming",
+        "stop_due",
+        "stopped",
+        "culled",
+        "cull_token",
+        "gaps",
+        "last_active_at",
+    )
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.index = 0  # next cell to run
+        self.lease_id: str | None = None
+        self.claims = 0
+        self.waiting = False  # a cell is ready and waits for the lease
+        self.running = False  # a cell runs (or its GPU state is being restored)
+        self.memory = 0  # bytes the kernel's processes hold on the GPU
+        self.util: float | None = None
+        self.last_busy_at: float | None = None
+        self.restore = 0.0  # restore time the waiting cell will pay once granted
+        self.resuming = False
+        self.stop_due = False
+        self.stopped = False
+        self.culled = False
+        self.cull_token = 0
+        # Idle history of a kernel whose lease was released, for its next claim.
+        self.gaps: tuple[float, ...] = ()
+        self.last_active_at: float | None = None
+
+    @property
+    def id(self) -> str:
+        return self.session.id
+
+
+class _Replay:
+    def __init__(self, trace: Trace, policy: str, gpus: int, options: ReplayOptions) -> None:
+        self.trace = trace
+        self.policy = policy
+        self.options = options
+        core_policy = policy if policy in ("dynamic", "hybrid") else "static"
+        self.cfg = replace(options.config, policy=core_policy)
+        self.caps = options.capabilities
+        self.lazy = policy in ("dynamic", "hybrid")
+        self.cull_timeout = options.effective_cull_timeout if policy == "cull" else 0.0
+        need = trace.largest_claim(per_cell=policy == "oracle")
+        if gpus < max(need, 1):
+            raise SimulationError(
+                f"a host of {gpus} GPUs cannot run this trace: a "
+                f"{'cell' if policy == 'oracle' else 'session'} asks for {need} GPUs at once"
+            )
+        self.gpus = gpus
+        self.devices = tuple(
+            Device(uuid=f"GPU-sim-{i:04d}", index=i, name="simulated GPU", memory_total=options.device_memory)
+            for i in range(gpus)
+        )
+        self.kernels = {s.id: _Kernel(s) for s in trace.gpu_sessions}
+        if len(self.kernels) != len(trace.gpu_sessions):
+            raise SimulationError("session ids in the trace are not unique")
+        self.leases: dict[str, Lease] = {}
+        self.activity: dict[str, KernelActivity] = {}
+        self.events: list[tuple] = []
+        self.seq = 0
+        self.wake_gen = 0
+        self.held = 0
+        self.held_line: list[tuple[float, int]] = [(0.0, 0)]
+        self.busy_changes: list[tuple[float, int]] = []
+        self.delays: dict[str, list[float]] = {k: [] for k in self.kernels}
+        self.disruptions = 0
+        self.suspends = 0
+        self.restores = 0
+        self.passes = 0
+        self.late = 0
+        self.abort_after_late: int | None = None
+        self.late_after_s = 5.0
+        self.abort_on_disruption = False
+
+    # -- the event loop ----------------------------------------------------------------------
+    def push(self, at: float, kind: int, kernel: _Kernel | None, data: object = None) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (at, kind, self.seq, kernel, data))
+
+    def run(self) -> Result:
+        for kernel in self.kernels.values():
+            session = kernel.session
+            self.push(session.start, _START, kernel)
+            self.push(session.stop, _STOP, kernel)
+            if session.cells:
+                self.push(session.cells[0].start, _READY, kernel)
+        handlers = {
+            _END: self.on_end,
+            _SUSPENDED: self.on_suspended,
+            _CULL: self.on_cull,
+            _STOP: self.on_stop,
+            _START: self.on_start,
+            _READY: self.on_ready,
+        }
+        while self.events:
+            now = self.events[0][0]
+            changed = False
+            while self.events and self.events[0][0] == now:
+                _, kind, _, kernel, data = heapq.heappop(self.events)
+                if kind == _WAKE:
+                    changed |= data == self.wake_gen
+                else:
+                    changed |= handlers[kind](kernel, now, data) is not False
+            if changed:
+                self.settle(now)
+        return self.result()
+
+    def settle(self, now: float) -> None:
+        """Scheduling passes at ``now`` until nothing that was freed can be granted."""
+        for _ in range(64):
+            result = plan(self.devices, self.leases.values(), self.activity, now, self.cfg, self.caps)
+            self.passes += 1
+            self.leases = {lease.id: lease for lease in result.leases}
+            freed = False
+            for decision in result.decisions:
+                if decision.kind == "grant":
+                    self.on_grant(self.leases[decision.lease.id], now)
+                elif decision.kind == "reclaim":
+                    freed |= self.on_reclaim(self.leases[decision.lease.id], now)
+            if not (freed and result.queue):
+                break
+        self.wake_gen += 1
+        if result.next_wakeup is not None:
+            self.push(result.next_wakeup, _WAKE, None, self.wake_gen)
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def change_held(self, now: float, delta: int) -> None:
+        self.held += delta
+        if self.held_line[-1][0] == now:
+            self.held_line[-1] = (now, self.held)
+        else:
+            self.held_line.append((now, self.held))
+
+    def observe(self, kernel: _Kernel) -> None:
+        """What the kernel looks like to the arbiter's monitor from now on."""
+        self.activity[kernel.id] = KernelActivity(
+            kernel.id,
+            busy=kernel.running,
+            last_busy_at=kernel.last_busy_at,
+            gpu_utilization=kernel.util if kernel.running else 0.0,
+            gpu_memory=kernel.memory,
+        )
+
+    def disrupted(self) -> None:
+        self.disruptions += 1
+        if self.abort_on_disruption:
+            raise _Abort
+
+    # -- claims and releases --------------------------------------------------------------------
+    def claim(self, kernel: _Kernel, now: float, count: int) -> None:
+        gaps = kernel.gaps
+        if self.lazy and kernel.last_active_at is not None:
+            gaps = _with_spell(gaps, now - kernel.last_active_at)
+        lease_id = f"{kernel.id}#{kernel.claims}"
+        kernel.claims += 1
+        self.leases[lease_id] = new_claim(lease_id, kernel.id, kernel.session.user, now, count=count, gaps=gaps)
+        kernel.lease_id = lease_id
+        kernel.restore = 0.0
+        kernel.resuming = False
+
+    def release(self, kernel: _Kernel, now: float) -> bool:
+        """Release the kernel's lease, if any; return whether GPUs were freed."""
+        lease = self.leases.pop(kernel.lease_id, None) if kernel.lease_id else None
+        kernel.lease_id = None
+        if lease is None:
+            return False
+        # Its idle history outlives it, for the kernel's next claim.
+        kernel.gaps = lease.gaps
+        kernel.last_active_at = lease.last_active_at
+        if lease.holding:
+            self.change_held(now, -lease.count)
+            return True
+        return False
+
+    def resume(self, kernel: _Kernel, lease: Lease, now: float) -> None:
+        resumed = request_resume(lease, now)
+        # request_resume moves ``last_active_at`` without recording the idle spell that ends
+        # here; record it, or the adaptive timeouts would only ever learn the short pauses.
+        if resumed.gaps == lease.gaps and lease.last_active_at is not None:
+            resumed = replace(resumed, gaps=_with_spell(lease.gaps, now - lease.last_active_at))
+        lease = resumed
+        self.leases[lease.id] = lease
+        kernel.restore = self.options.transfer_seconds(lease.memory_held)
+        kernel.resuming = True
+
+    # -- cells -----------------------------------------------------------------------------------
+    def start_cell(self, kernel: _Kernel, now: float, delay: float = 0.0) -> None:
+        cell = kernel.session.cells[kernel.index]
+        begins = now + delay
+        kernel.waiting = False
+        kernel.running = True
+        kernel.memory = int(cell.vram_gb * GB)
+        kernel.util = cell.utilization
+        kernel.cull_token += 1
+        waited = begins - cell.start
+        self.delays[kernel.id].append(waited)
+        if waited > self.late_after_s:
+            self.late += 1
+            if self.abort_after_late is not None and self.late >= self.abort_after_late:
+                raise _Abort
+        ends = begins + cell.duration
+        if cell.gpus > 0:
+            self.busy_changes.append((begins, cell.gpus))
+            self.busy_changes.append((ends, -cell.gpus))
+        self.push(ends, _END, kernel)
+        self.observe(kernel)
+
+    def on_ready(self, kernel: _Kernel, now: float, _data: object = None) -> None:
+        cell = kernel.session.cells[kernel.index]
+        kernel.waiting = True
+        if self.policy == "oracle":
+            if cell.gpus > 0:
+                self.claim(kernel, now, cell.gpus)
+            else:
+                self.start_cell(kernel, now)
+            return
+        if kernel.culled:
+            # The culler shut the kernel down: the user finds it gone and starts a new one.
+            kernel.culled = False
+            self.disrupted()
+        lease = self.leases.get(kernel.lease_id) if kernel.lease_id else None
+        if lease is None:
+            self.claim(kernel, now, kernel.session.gpus)
+        elif lease.state == LeaseState.SUSPENDED:
+            self.resume(kernel, lease, now)
+        elif lease.state == LeaseState.PENDING:
+            pass  # the grant starts the cell
+        elif lease.state == LeaseState.RECLAIMING and lease.reclaim_step == Step.CHECKPOINT:
+            pass  # the checkpoint finishes first, then the cell asks for the lease back
+        else:
+            self.start_cell(kernel, now)
+
+    def on_end(self, kernel: _Kernel, now: float, _data: object = None) -> None:
+        kernel.running = False
+        kernel.last_busy_at = now
+        cells = kernel.session.cells
+        kernel.index += 1
+        if self.policy == "oracle" and kernel.lease_id:
+            kernel.memory = 0
+            self.release(kernel, now)
+        if self.cull_timeout > 0 and kernel.lease_id:
+            self.push(now + self.cull_timeout, _CULL, kernel, kernel.cull_token)
+        if kernel.index < len(cells):
+            ready = max(cells[kernel.index].start, now)
+            if ready == now:
+                self.on_ready(kernel, now)
+            else:
+                self.push(ready, _READY, kernel)
+        elif kernel.stop_due:
+            self.on_stop(kernel, now)
+        if not kernel.stopped:
+            self.observe(kernel)
+
+    # -- session lifetime and the culler -------------------------------------------------------
+    def on_start(self, kernel: _Kernel, now: float, _data: object = None) -> bool:
+        if self.lazy or self.policy == "oracle":
+            return False  # nothing to claim before the first cell
+        self.claim(kernel, now, kernel.session.gpus)
+        return True
+
+    def on_stop(self, kernel: _Kernel, now: float, _data: object = None) -> None:
+        if kernel.running or kernel.waiting or kernel.index < len(kernel.session.cells):
+            kernel.stop_due = True  # the user is still running (delayed) cells
+            return
+        kernel.stopped = True
+        self.release(kernel, now)
+        self.activity.pop(kernel.id, None)
+
+    def on_cull(self, kernel: _Kernel, now: float, token: object) -> bool:
+        lease = self.leases.get(kernel.lease_id) if kernel.lease_id else None
+        if token != kernel.cull_token or kernel.running or kernel.waiting or lease is None or not lease.holding:
+            return False
+        self.release(kernel, now)
+        kernel.culled = True
+        kernel.memory = 0
+        self.observe(kernel)
+        return True
+
+    # -- carrying out the core's decisions -----------------------------------------------------
+    def on_grant(self, lease: Lease, now: float) -> None:
+        kernel = self.kernels[lease.kernel_id]
+        self.change_held(now, lease.count)
+        if kernel.resuming:
+            self.restores += 1
+        restore, kernel.restore, kernel.resuming = kernel.restore, 0.0, False
+        if kernel.waiting:
+            self.start_cell(kernel, now, restore)
+        elif self.cull_timeout > 0:
+            kernel.cull_token += 1  # a freshly launched kernel is idle from now
+            self.push(now + self.cull_timeout, _CULL, kernel, kernel.cull_token)
+
+    def on_reclaim(self, lease: Lease, now: float) -> bool:
+        """Carry out ``lease.reclaim_step``; return whether GPUs were freed at once."""
+        kernel = self.kernels[lease.kernel_id]
+        step = lease.reclaim_step
+        if step == Step.CHECKPOINT:
+            self.suspends += 1
+            done = now + self.options.transfer_seconds(lease.memory_held)
+            self.push(done, _SUSPENDED, kernel, lease.id)
+            return False
+        if step == Step.FREE_CACHE:
+            self.leases[lease.id] = step_done(lease, step, "framework caches dropped")
+            return False
+        if step is not None and step.disruptive:
+            self.disrupted()
+            kernel.memory = 0  # a new kernel process holds nothing yet
+            self.observe(kernel)
+        return self.release(kernel, now)
+
+    def on_suspended(self, kernel: _Kernel, now: float, lease_id: object) -> bool:
+        lease = self.leases.get(lease_id)  # type: ignore[arg-type]
+        if lease is None or lease.state != LeaseState.RECLAIMING:
+            return False  # released meanwhile (the session stopped)
+        lease = suspended(lease, now)
+        self.leases[lease.id] = lease
+        self.change_held(now, -lease.count)
+        if kernel.waiting:
+            self.resume(kernel, lease, now)
+        return True
+
+    # -- the outcome -------------------------------------------------------------------------------
+    def result(self) -> Result:
+        held_seconds = 0.0
+        for (t0, level), (t1, _) in zip(self.held_line, self.held_line[1:]):
+            held_seconds += level * (t1 - t0)
+        peak = max(level for _, level in self.held_line)
+        busy_seconds = self.trace.busy_gpu_seconds()
+        busy_line: list[tuple[float, int]] = [(0.0, 0)]
+        level = 0
+        for t, delta in sorted(self.busy_changes, key=lambda c: (c[0], c[1])):
+            level += delta
+            if busy_line[-1][0] == t:
+                busy_line[-1] = (t, level)
+            else:
+                busy_line.append((t, level))
+        delays = tuple(d for kernel in self.kernels for d in self.delays[kernel])
+        return Result(
+            policy=self.policy,
+            gpus=self.gpus,
+            gpu_hours_held=held_seconds / 3600.0,
+            gpu_hours_busy=busy_seconds / 3600.0,
+            efficiency=busy_seconds / held_seconds if held_seconds > 0 else None,
+            cell_delay_p50_s=percentile(delays, 50),
+            cell_delay_p95_s=percentile(delays, 95),
+            cell_delay_p99_s=percentile(delays, 99),
+            disruptions=self.disruptions,
+            suspends=self.suspends,
+            restores=self.restores,
+            peak_gpus_held=peak,
+            held=tuple(self.held_line),
+            busy=tuple(busy_line),
+            delays=delays,
+            passes=self.passes,
+        )
+
+
+def _with_spell(gaps: tuple[float, ...], spell: float) -> tuple[float, ...]:
+    if spell < idle.MIN_GAP:
+        return gaps
+    return (*gaps, spell)[-idle.HISTORY :]

@@ -1,0 +1,127 @@
+"""Showing replay results: a table for people, JSON for programs, a plot of GPUs held."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from .replay import Result
+
+_COLUMNS = (
+    ("policy", "policy", "<"),
+    ("gpu_hours_held", "GPU-h held", ">"),
+    ("gpu_hours_busy", "GPU-h busy", ">"),
+    ("efficiency", "efficiency", ">"),
+    ("cell_delay_p50_s", "delay p50", ">"),
+    ("cell_delay_p95_s", "p95", ">"),
+    ("cell_delay_p99_s", "p99", ">"),
+    ("disruptions", "disruptions", ">"),
+    ("suspends", "suspends", ">"),
+    ("restores", "restores", ">"),
+    ("peak_gpus_held", "peak held", ">"),
+)
+
+
+def as_json(results: Mapping[str, Result], capacities: Mapping[str, int | None] | None = None) -> dict:
+    """One object keyed by policy name, each with the DESIGN section 9 fields (and ``capacity``)."""
+    out = {}
+    for policy, result in results.items():
+        metrics = result.metrics()
+        if capacities is not None:
+            metrics["capacity"] = capacities.get(policy)
+        out[policy] = metrics
+    return out
+
+
+def _cell(name: str, value: object) -> str:
+    if value is None:
+        return "-"
+    if name == "efficiency":
+        return f"{value:.1%}"
+    if name.endswith("_s"):
+        return _seconds(float(value))  # type: ignore[arg-type]
+    if isinstance(value, float):
+        return f"{value:,.1f}"
+    return str(value)
+
+
+def _seconds(value: float) -> str:
+    if value < 100:
+        return f"{value:.1f}s"
+    if value < 3600:
+        return f"{value / 60:.1f}m"
+    return f"{value / 3600:.1f}h"
+
+
+def table(results: Mapping[str, Result], capacities: Mapping[str, int | None] | None = None) -> str:
+    """A fixed-width table, one row per policy."""
+    columns = list(_COLUMNS)
+    if capacities is not None:
+        columns.append(("capacity", "capacity", ">"))
+    rows = [[title for _, title, _ in columns]]
+    for policy, result in results.items():
+        metrics = result.metrics()
+        row = []
+        for name, _, _ in columns:
+            if name == "policy":
+                row.append(policy)
+            elif name == "capacity":
+                cap = capacities.get(policy) if capacities else None
+                row.append("none" if cap is None else str(cap))
+            else:
+                row.append(_cell(name, metrics[name]))
+        rows.append(row)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    lines = []
+    for row in rows:
+        parts = [
+            text.ljust(width) if align == "<" else text.rjust(width)
+            for text, width, (_, _, align) in zip(row, widths, columns)
+        ]
+        lines.append("  ".join(parts).rstrip())
+    return "\n".join(lines)
+
+
+def plot(results: Mapping[str, Result], path: str, title: str = "") -> None:
+    """Write a PNG: per policy, GPUs held over time against GPUs busy in that replay."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError(
+            "--plot needs matplotlib: pip install 'jupyter-gpusched[plot]'"
+        ) from None
+
+    policies = list(results)
+    fig, axes = plt.subplots(
+        len(policies), 1, figsize=(11, 1.9 * len(policies) + 0.8), sharex=True, sharey=True, squeeze=False
+    )
+    for ax, policy in zip(axes[:, 0], policies):
+        result = results[policy]
+        hx, hy = _steps(result.held)
+        bx, by = _steps(result.busy)
+        ax.fill_between(bx, by, step="post", color="tab:green", alpha=0.35, linewidth=0, label="GPUs busy")
+        ax.step(hx, hy, where="post", color="tab:blue", linewidth=1.0, label="GPUs held")
+        ax.axhline(result.gpus, color="grey", linestyle=":", linewidth=0.8)
+        eff = result.efficiency
+        ax.set_title(
+            f"{policy}: {result.gpu_hours_held:,.0f} GPU-h held, "
+            f"efficiency {eff:.0%}" if eff is not None else policy,
+            fontsize=9,
+            loc="left",
+        )
+        ax.set_ylabel("GPUs")
+    axes[0, 0].legend(loc="upper right", fontsize=8)
+    axes[-1, 0].set_xlabel("hours")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _steps(line: tuple[tuple[float, int], ...]) -> tuple[list[float], list[int]]:
+    xs = [t / 3600.0 for t, _ in line]
+    ys = [level for _, level in line]
+    return xs, ys
