@@ -1,7 +1,7 @@
 """The ``jupyter gpusched`` command line (console script ``jupyter-gpusched``).
 
-Each verb is a subcommand that registers its own parser in :data:`VERBS` and is run by the
-function stored as its ``handler``; the handler returns the exit status.
+Each verb is a subcommand: a function in :data:`VERBS` adds its parser, whose ``func`` default
+is the function that runs it and returns the exit status.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def _add_simulate(verbs: argparse._SubParsersAction) -> None:
         "--no-adaptive", dest="adaptive", action="store_false",
         help="fixed idle timeouts instead of learning each kernel's pauses",
     )
-    parser.set_defaults(handler=_simulate)
+    parser.set_defaults(func=_simulate)
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -228,11 +228,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``jupyter gpusched VERB ...``; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    handler = getattr(args, "handler", None)
-    if handler is None:
+    func = getattr(args, "func", None)
+    if func is None:
         parser.print_help(sys.stderr)
         return 2
-    return handler(args)
+    return func(args)
 
 
 if __name__ == "__main__":  # pragma: no cover
