@@ -217,22 +217,30 @@ class _Pass:
         if self.cfg.policy == "static" or not blocked:
             return {}
         borrowed = fairness.borrowed(self.live(), usage)
-        eligible: list[tuple[float, Lease]] = []
+        # Idle leases past the contended threshold. In hybrid a lease within its user's quota
+        # yields only to that same user's waiting kernels (the quota protects a user from
+        # others, not one of their notebooks from another).
+        eligible: list[tuple[float, Lease, bool]] = []
+        waiting_users = {claim.user for claim in blocked}
         for lease in self.live():
             if not lease.holding or lease.busy or self.pinned(lease):
                 continue
             idle_for = lease.idle_seconds(self.now)
+            anyone = True
             if self.cfg.policy == "dynamic":
                 threshold = limits.of(lease).idle_after
             elif lease.id in borrowed:
                 threshold = min(limits.of(lease).idle_after, self.cfg.contended_idle_timeout)
+            elif lease.user in waiting_users:
+                threshold = min(limits.of(lease).idle_after, self.cfg.contended_idle_timeout)
+                anyone = False
             else:
-                continue  # within quota: only the uncontended rules apply
+                continue  # within quota and nobody of its user waits: only the uncontended rules
             if idle_for >= threshold:
-                eligible.append((idle_for, lease))
+                eligible.append((idle_for, lease, anyone))
             elif lease.last_active_at is not None:
                 self.wake(lease.last_active_at + threshold)
-        eligible.sort(key=lambda pair: (-pair[0], pair[1].id))
+        eligible.sort(key=lambda item: (-item[0], item[1].id))
         chosen: dict[str, str] = {}
         # The host as it will be once the chosen victims are gone and the claims before this one
         # hold their devices: two waiting claims must not count on the same freed GPU, and a claim
@@ -249,8 +257,8 @@ class _Pass:
             picked: list[str] = []
             placed = fit(claim, ())
             if placed is None:
-                for _, victim in eligible:
-                    if victim.id in chosen:
+                for _, victim, anyone in eligible:
+                    if victim.id in chosen or (not anyone and victim.user != claim.user):
                         continue
                     picked.append(victim.id)
                     placed = fit(claim, picked)
@@ -267,6 +275,8 @@ class _Pass:
                         picked, placed = trial, found
                 for vid in picked:
                     who = "borrowed, " if self.cfg.policy == "hybrid" and vid in borrowed else ""
+                    if self.cfg.policy == "hybrid" and vid not in borrowed:
+                        who = "same user, "
                     chosen[vid] = f"{who}idle and {claim.user}'s claim {claim.id} is waiting"
             planned.append(replace(claim, state=LeaseState.ACTIVE, devices=placed[0]))
         return chosen
