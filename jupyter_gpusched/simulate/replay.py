@@ -16,8 +16,9 @@ How sessions use GPUs, per policy:
   (a disruption) and the next cell claims anew.
 * ``static``: the lease is claimed when the session starts and held until it stops.
 * ``oracle`` (baseline, not a core policy): GPUs held exactly while a cell with ``gpus > 0`` runs,
-  the cell's own ``gpus``; restores are free; cells queue (first come, first served) only when the
-  host is full.
+  the cell's own ``gpus``; restores are free; cells queue only when the host is full (each GPU
+  cell is a claim in the core's ``static`` queue: first come, first served, smaller claims may
+  pass a blocked one for ``backfill_wait``).
 * ``cull`` (baseline): static binding plus jupyter_server's idle culler: a kernel idle for
   ``cull_timeout`` is shut down, freeing its GPUs; the next cell the user runs finds it gone (a
   disruption), starts a new kernel and waits for GPUs again.
