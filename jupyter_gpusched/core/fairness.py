@@ -94,7 +94,9 @@ def fair_order(
 ) -> list[Lease]:
     """Pending claims in the order they would be served if each were granted in turn.
 
-    Each user's own claims go by priority then age; across users the head claims compete by
+    Each user's own claims go by :func:`queue_key` too: those that keep the user within quota
+    first (a claim that would borrow must not hold back the same user's claim that the quota
+    guarantees), then priority, then age. Across users the head claims compete by
     :func:`queue_key`, recomputed for a user after each of their claims is counted as granted.
     With ``serve``, each claim is offered to it in that order, and counts against its user only
     if ``serve`` returns True (it was granted): a claim that does not fit must not make the same
@@ -112,20 +114,22 @@ def fair_order(
     per_user: dict[str, list[Lease]] = defaultdict(list)
     for lease in pending:
         per_user[lease.user].append(lease)
-    heap = []
-    for user, claims in per_user.items():
-        claims.sort(key=lambda le: (-le.priority, le.queued_at, le.created_at, le.id), reverse=True)
-        head = claims[-1]
-        heapq.heappush(heap, (queue_key(head, shadow, now, cfg), user))
+
+    def head(user: str) -> Lease:
+        return min(per_user[user], key=lambda le: queue_key(le, shadow, now, cfg))
+
+    heap = [(queue_key(head(user), shadow, now, cfg), user) for user in per_user]
+    heapq.heapify(heap)
     ordered: list[Lease] = []
     while heap:
         _, user = heapq.heappop(heap)
-        lease = per_user[user].pop()
+        lease = head(user)
+        per_user[user].remove(lease)
         ordered.append(lease)
         if serve is None or serve(lease):
             shadow.add(lease)
         if per_user[user]:
-            heapq.heappush(heap, (queue_key(per_user[user][-1], shadow, now, cfg), user))
+            heapq.heappush(heap, (queue_key(head(user), shadow, now, cfg), user))
     return ordered
 
 
