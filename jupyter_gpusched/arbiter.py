@@ -91,8 +91,8 @@ class KernelHost(Protocol):
 
     server_id: str
 
-    def activity(self) -> Mapping[str, tuple[bool, float | None]]:
-        """Kernel id -> (executing now, last moment it executed) for every kernel it has."""
+    def activity(self) -> Mapping[str, tuple[bool, float | None, float | None]]:
+        """Kernel id -> (executing now, last moment it executed, when that execution began)."""
 
     def alive(self, kernel_id: str) -> bool | None:
         """Whether the kernel still exists here (None: not a kernel of this host)."""
@@ -319,11 +319,12 @@ class LocalArbiter(Arbiter):
         self.state.process_kernels = pid_kernel
         self.state.unleased = tuple(unleased)
         activity = {}
-        for kernel_id, (busy, last_busy_at) in states.items():
+        for kernel_id, (busy, last_busy_at, started_at) in states.items():
             activity[kernel_id] = KernelActivity(
                 kernel_id=kernel_id,
                 busy=busy,
                 last_busy_at=min(last_busy_at, now) if last_busy_at is not None else None,
+                started_at=started_at,
                 gpu_utilization=util.get(kernel_id),
                 gpu_memory=memory.get(kernel_id, 0) if self.backend is not None else None,
             )

@@ -124,15 +124,12 @@ class KernelSession:
     async def connect(self) -> None:
         self.ws = await self.ws_fetch("api", "kernels", self.id, "channels")
 
-    async def execute(self, code: str, timeout: float = 60.0) -> dict:
-        """Run ``code``; return {"stdout", "stderr", "error", "display"} once the cell is done."""
-        if self.ws is None:
-            await self.connect()
-        msg_id = uuid.uuid4().hex
-        msg = {
+    @staticmethod
+    def _message(msg_type: str, content: dict) -> dict:
+        return {
             "header": {
-                "msg_id": msg_id,
-                "msg_type": "execute_request",
+                "msg_id": uuid.uuid4().hex,
+                "msg_type": msg_type,
                 "username": "test",
                 "session": uuid.uuid4().hex,
                 "version": "5.3",
@@ -140,10 +137,36 @@ class KernelSession:
             },
             "parent_header": {},
             "metadata": {},
-            "content": {"code": code, "silent": False, "store_history": True, "allow_stdin": False},
+            "content": content,
             "channel": "shell",
             "buffers": [],
         }
+
+    async def ready(self, timeout: float = 60.0) -> None:
+        """Wait until the kernel answers a kernel_info_request (without running a cell)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            msg = self._message("kernel_info_request", {})
+            await self.ws.write_message(json.dumps(msg))
+            try:
+                while True:
+                    raw = await asyncio.wait_for(self.ws.read_message(), 2.0)
+                    reply = json.loads(raw)
+                    if reply["header"]["msg_type"] == "kernel_info_reply":
+                        return
+            except asyncio.TimeoutError:
+                if time.monotonic() > deadline:
+                    raise
+
+    async def execute(self, code: str, timeout: float = 60.0) -> dict:
+        """Run ``code``; return {"stdout", "stderr", "error", "display"} once the cell is done."""
+        if self.ws is None:
+            await self.connect()
+        msg = self._message(
+            "execute_request",
+            {"code": code, "silent": False, "store_history": True, "allow_stdin": False},
+        )
+        msg_id = msg["header"]["msg_id"]
         await self.ws.write_message(json.dumps(msg))
         out = {"stdout": "", "stderr": "", "error": None, "display": []}
         deadline = time.monotonic() + timeout
@@ -184,8 +207,7 @@ def start_kernel(jp_fetch, jp_ws_fetch):
         session = KernelSession(jp_fetch, jp_ws_fetch, kernel_id)
         await session.connect()
         sessions.append(session)
-        # Wait until the kernel answers.
-        await session.execute("1")
+        await session.ready()
         return session
 
     yield start

@@ -46,7 +46,11 @@ class Timeouts:
 
 
 def observe(lease: Lease, activity: KernelActivity | None, now: float, cfg: SchedConfig) -> Lease:
-    """Fold one tick's observation of the kernel into its lease."""
+    """Fold one tick's observation of the kernel into its lease.
+
+    While the kernel stays active the record does not change (no write per tick); the idle clock
+    starts when activity ends.
+    """
     if activity is None:
         return lease
     using_gpu = (
@@ -54,20 +58,39 @@ def observe(lease: Lease, activity: KernelActivity | None, now: float, cfg: Sche
     )
     active_now = activity.busy or using_gpu
     last = lease.last_active_at
-    if activity.last_busy_at is not None and (last is None or activity.last_busy_at > last):
-        last = min(activity.last_busy_at, now)
     gaps = lease.gaps
-    if active_now:
-        if not lease.busy and lease.last_active_at is not None:
-            gap = now - lease.last_active_at
+    began = activity.started_at
+    if not lease.busy and last is not None:
+        # An idle spell ended if the kernel ran since we last looked (perhaps a short cell that
+        # began and ended between two ticks).
+        resumed_at = began if began is not None and began > last else (now if active_now else None)
+        if resumed_at is not None:
+            gap = resumed_at - last
             if gap >= MIN_GAP:
                 gaps = (*gaps, gap)[-HISTORY:]
-        last = now
+    if active_now:
+        if not lease.busy:
+            last = now
+    else:
+        if activity.last_busy_at is not None and (last is None or activity.last_busy_at > last):
+            last = min(activity.last_busy_at, now)
+        elif lease.busy:
+            last = now
     memory = activity.gpu_memory if activity.gpu_memory is not None else lease.memory_held
     if (active_now, last, gaps, memory) == (lease.busy, lease.last_active_at, lease.gaps, lease.memory_held):
         return lease
     tried = () if active_now else lease.tried_steps
     return replace(lease, busy=active_now, last_active_at=last, gaps=gaps, memory_held=memory, tried_steps=tried)
+
+
+def record_gap(lease: Lease, now: float) -> tuple[float, ...]:
+    """The lease's idle spells with the one that ends ``now`` added."""
+    if lease.busy or lease.last_active_at is None:
+        return lease.gaps
+    gap = now - lease.last_active_at
+    if gap < MIN_GAP:
+        return lease.gaps
+    return (*lease.gaps, gap)[-HISTORY:]
 
 
 def _samples(lease: Lease, prior: Sequence[float]) -> list[float]:

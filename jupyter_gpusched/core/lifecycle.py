@@ -21,6 +21,7 @@ from .model import (
     SchedulingError,
     Step,
 )
+from .idle import record_gap
 from .placement import capacity_for, schedulable
 from .units import format_bytes
 
@@ -134,6 +135,7 @@ def request_resume(lease: Lease, now: float) -> Lease:
         lease,
         state=LeaseState.PENDING,
         queued_at=now,
+        gaps=record_gap(lease, now),
         last_active_at=now,
         reason="waiting for a GPU to restore onto",
         version=lease.version + 1,

@@ -177,6 +177,7 @@ class KernelActivity:
     gpu_utilization: float | None = None
     gpu_memory: int | None = None
     alive: bool = True
+    started_at: float | None = None
 
 
 @dataclass(frozen=True)

@@ -98,7 +98,8 @@ class _Pass:
 
     def observe(self) -> None:
         for lease in self.live():
-            if lease.state == LeaseState.PENDING:
+            if lease.state in (LeaseState.PENDING, LeaseState.SUSPENDED):
+                # A suspended kernel holds nothing on a GPU; its next cell asks to resume.
                 continue
             updated = idle.observe(lease, self.activity.get(lease.kernel_id), self.now, self.cfg)
             if updated.keep_until is not None and updated.keep_until <= self.now:

@@ -265,7 +265,7 @@ class GPUSchedApp(SchedulingConfig, ExtensionApp):
 
     async def _on_kernel_action(self, logger, schema_id: str, data: dict) -> None:
         action, kernel_id = data.get("action"), data.get("kernel_id")
-        if not kernel_id or data.get("status") == "error":
+        if not kernel_id or data.get("status") == "error" or getattr(self, "_stopped", False):
             return
         if action == "shutdown":
             self.registry.kernels.ended(kernel_id)
@@ -278,6 +278,11 @@ class GPUSchedApp(SchedulingConfig, ExtensionApp):
         reg = getattr(self, "registry", None)
         if reg is None:
             return
+        self._stopped = True
+        try:
+            self.serverapp.event_logger.remove_listener(listener=self._on_kernel_action)
+        except Exception:  # noqa: BLE001 - older jupyter_events may not know the listener
+            pass
         await reg.arbiter.stop()
         for name in ("backend", "ledger"):
             thing = getattr(reg.arbiter, name, None)

@@ -22,6 +22,7 @@ class _Watch:
     def __init__(self) -> None:
         self.executing = False
         self.last_execute: float | None = None
+        self.started: float | None = None
         self.stream: Any = None
 
 
@@ -97,8 +98,11 @@ class ServerKernels:
                     return
                 msg = session.deserialize(fed)
                 state = msg["content"].get("execution_state")
+                now = self.clock()
+                if state == "busy" and not watch.executing:
+                    watch.started = now
                 watch.executing = state == "busy"
-                watch.last_execute = self.clock()
+                watch.last_execute = now
             except Exception:  # noqa: BLE001 - a malformed message must not kill the watch
                 log.debug("kernel %s: unreadable IOPub message", kernel_id, exc_info=True)
 
@@ -107,11 +111,11 @@ class ServerKernels:
         return watch
 
     # -- KernelHost -----------------------------------------------------------------------
-    def activity(self) -> Mapping[str, tuple[bool, float | None]]:
+    def activity(self) -> Mapping[str, tuple[bool, float | None, float | None]]:
         out = {}
         for kernel_id in list(self.km.list_kernel_ids()):
             watch = self._watch(kernel_id)
-            out[kernel_id] = (watch.executing, watch.last_execute)
+            out[kernel_id] = (watch.executing, watch.last_execute, watch.started)
         return out
 
     def alive(self, kernel_id: str) -> bool | None:
