@@ -1,0 +1,530 @@
+import { GPUSchedError, INotice, parseEvent } from '../api';
+import {
+  applyEvent,
+  isOwnLease,
+  normalizeQueue,
+  normalizeStatus,
+  socketRetryDelay,
+  upsertDevice,
+  upsertLease
+} from '../model';
+import { harness, IHarness, sleep, waitFor } from './fakes';
+import { device, iso, lease, payload, status, T0 } from './fixtures';
+
+// ---------------------------------------------------------------------------------------------
+// Parsing
+
+describe('parseEvent', () => {
+  it('accepts objects nested under their type name or inline', () => {
+    const nested = parseEvent(JSON.stringify({ type: 'lease', lease: lease('a') }));
+    const inline = parseEvent(JSON.stringify({ type: 'lease', ...lease('a') }));
+    expect(nested).toEqual({ type: 'lease', lease: lease('a') });
+    expect(inline).toEqual({ type: 'lease', lease: lease('a') });
+
+    const snapshot = parseEvent({ type: 'snapshot', ...payload() });
+    expect(snapshot?.type).toBe('snapshot');
+    expect(parseEvent({ type: 'snapshot', status: payload() })).toEqual({
+      type: 'snapshot',
+      status: payload()
+    });
+    expect(parseEvent({ type: 'device', device: device(3) })).toEqual({
+      type: 'device',
+      device: device(3)
+    });
+  });
+
+  it('normalizes notices', () => {
+    const event = parseEvent({
+      type: 'notice',
+      kind: 'reclaim_warning',
+      lease_id: 'a',
+      kernel_id: 'k',
+      message: 'idle for 5 min while bob waits',
+      reclaim_at: '2024-05-01T10:01:00Z'
+    });
+    expect(event).toEqual({
+      type: 'notice',
+      notice: {
+        kind: 'reclaim_warning',
+        lease_id: 'a',
+        kernel_id: 'k',
+        message: 'idle for 5 min while bob waits',
+        reclaim_at: '2024-05-01T10:01:00Z'
+      }
+    });
+    expect(parseEvent({ type: 'notice', notice: { kind: 'granted' } })).toEqual({
+      type: 'notice',
+      notice: { kind: 'granted', lease_id: null, kernel_id: null, message: '' }
+    });
+  });
+
+  it('ignores what it does not understand', () => {
+    expect(parseEvent('not json')).toBeNull();
+    expect(parseEvent('[1, 2]')).toBeNull();
+    expect(parseEvent({ type: 'mystery' })).toBeNull();
+    expect(parseEvent({ type: 'lease', lease: { state: 'active' } })).toBeNull();
+    expect(parseEvent({ type: 'snapshot', status: { devices: [] } })).toBeNull();
+    expect(parseEvent({ type: 'notice', message: 'no kind' })).toBeNull();
+  });
+});
+
+// ---------------------------------------------------------------------------------------------
+// Pure state updates
+
+describe('normalizeQueue', () => {
+  it('accepts lease ids and objects, fills positions, sorts', () => {
+    const leases = [lease('b', { state: 'pending', position: 1, user: 'bob' })];
+    const queue = normalizeQueue(['a', { id: 'b' }, { lease_id: 'c', position: 3 }, {}], leases);
+    expect(queue.map(e => [e.lease_id, e.position])).toEqual([
+      ['a', 1],
+      ['b', 1],
+      ['c', 3]
+    ]);
+    expect(queue[1].user).toBe('bob');
+  });
+});
+
+describe('normalizeStatus', () => {
+  it('orders devices by index and drops released leases', () => {
+    const s = normalizeStatus(
+      payload({
+        devices: [device(2), device(0)],
+        leases: [lease('a'), lease('gone', { state: 'released' })],
+        queue: ['w']
+      })
+    );
+    expect(s.devices.map(d => d.index)).toEqual([0, 2]);
+    expect(s.leases.map(l => l.id)).toEqual(['a']);
+    expect(s.queue).toEqual([{ lease_id: 'w', position: 1 }]);
+  });
+});
+
+describe('upsertLease', () => {
+  const base = status({
+    leases: [
+      lease('a', { devices: ['GPU-0'] }),
+      lease('w1', { state: 'pending', position: 1 }),
+      lease('w2', { state: 'pending', position: 2 }),
+      lease('w3', { state: 'pending', position: 3 })
+    ],
+    queue: [
+      { lease_id: 'w1', position: 1 },
+      { lease_id: 'w2', position: 2 },
+      { lease_id: 'w3', position: 3 }
+    ]
+  });
+
+  it('inserts a new lease', () => {
+    const next = upsertLease(base, lease('b'));
+    expect(next.leases.map(l => l.id)).toContain('b');
+    expect(base.leases.map(l => l.id)).not.toContain('b');
+  });
+
+  it('merges the fields of a partial update', () => {
+    const next = upsertLease(base, { id: 'a', state: 'idle', idle_seconds: 40 });
+    const a = next.leases.find(l => l.id === 'a');
+    expect(a).toMatchObject({ state: 'idle', idle_seconds: 40, devices: ['GPU-0'] });
+  });
+
+  it("inserts another user's lease whose kernel is hidden", () => {
+    const hidden = lease('h', { kernel_id: null, user: 'another user', holder: 'another user' });
+    expect(upsertLease(base, hidden).leases.map(l => l.id)).toContain('h');
+  });
+
+  it('ignores a partial update of a lease it never saw', () => {
+    expect(upsertLease(base, { id: 'zzz', state: 'idle' })).toBe(base);
+  });
+
+  it('removes a released lease and moves those behind it up', () => {
+    const next = upsertLease(base, { id: 'w1', state: 'released' });
+    expect(next.leases.map(l => l.id)).toEqual(['a', 'w2', 'w3']);
+    expect(next.queue).toEqual([
+      { lease_id: 'w2', position: 1 },
+      { lease_id: 'w3', position: 2 }
+    ]);
+  });
+
+  it('moves an entry to its new position, whatever order the updates come in', () => {
+    let next = upsertLease(base, { id: 'w3', position: 1 });
+    expect(next.queue.map(e => [e.lease_id, e.position])).toEqual([
+      ['w3', 1],
+      ['w1', 2],
+      ['w2', 3]
+    ]);
+    // The server then renumbers everyone; positions past the end are clamped.
+    next = upsertLease(next, { id: 'w1', position: 9 });
+    next = upsertLease(next, { id: 'w2', position: 2 });
+    expect(next.queue.map(e => [e.lease_id, e.position])).toEqual([
+      ['w3', 1],
+      ['w2', 2],
+      ['w1', 3]
+    ]);
+  });
+
+  it('takes a granted lease out of the queue', () => {
+    const next = upsertLease(base, {
+      id: 'w2',
+      state: 'active',
+      position: null,
+      devices: ['GPU-1']
+    });
+    expect(next.queue.map(e => [e.lease_id, e.position])).toEqual([
+      ['w1', 1],
+      ['w3', 2]
+    ]);
+  });
+
+  it('queues a new pending lease at its position', () => {
+    const next = upsertLease(base, lease('w0', { state: 'pending', position: 1, user: 'bob' }));
+    expect(next.queue.map(e => e.lease_id)).toEqual(['w0', 'w1', 'w2', 'w3']);
+    expect(next.queue.map(e => e.position)).toEqual([1, 2, 3, 4]);
+    expect(next.queue[0]).toMatchObject({ position: 1, user: 'bob', kernel_id: 'kernel-w0' });
+    const appended = upsertLease(base, lease('w9', { state: 'pending', position: null }));
+    expect(appended.queue[3]).toMatchObject({ lease_id: 'w9', position: 4 });
+  });
+});
+
+describe('upsertDevice', () => {
+  it('merges a known device, adds a complete new one, keeps index order', () => {
+    const base = status({ devices: [device(0), device(2)] });
+    const merged = upsertDevice(base, { uuid: 'GPU-2', utilization: 93, health: 'drained' });
+    expect(merged.devices[1]).toMatchObject({ index: 2, utilization: 93, health: 'drained' });
+
+    const added = upsertDevice(base, {
+      uuid: 'MIG-1',
+      index: 1,
+      name: 'A100 MIG 1g.10gb',
+      memory_total: 10
+    });
+    expect(added.devices.map(d => d.uuid)).toEqual(['GPU-0', 'MIG-1', 'GPU-2']);
+    expect(added.devices[1]).toMatchObject({ health: 'ok', processes: [], memory_used: null });
+
+    expect(upsertDevice(base, { uuid: 'unknown', utilization: 5 })).toBe(base);
+  });
+});
+
+describe('applyEvent', () => {
+  it('drops lease and device events before the first snapshot', () => {
+    expect(applyEvent(null, { type: 'lease', lease: lease('a') })).toBeNull();
+    expect(applyEvent(null, { type: 'device', device: device(0) })).toBeNull();
+  });
+
+  it('replaces the status with a snapshot', () => {
+    const next = applyEvent(status({ leases: [lease('old')] }), {
+      type: 'snapshot',
+      status: payload({ leases: [lease('new')] })
+    });
+    expect(next?.leases.map(l => l.id)).toEqual(['new']);
+  });
+
+  it('changes nothing for a notice', () => {
+    const s = status();
+    const notice: INotice = { kind: 'granted', lease_id: 'a', kernel_id: 'k', message: '' };
+    expect(applyEvent(s, { type: 'notice', notice })).toBe(s);
+  });
+});
+
+describe('isOwnLease', () => {
+  it("follows the server's `mine` where it is sent", () => {
+    const s = status({ user: 'alice' });
+    expect(isOwnLease(s, lease('a', { user: 'alice', mine: false }))).toBe(false);
+    expect(isOwnLease(s, lease('b', { user: 'bob', mine: true }))).toBe(true);
+  });
+
+  it('compares users when the server names this user', () => {
+    const s = status({ user: 'alice' });
+    expect(isOwnLease(s, lease('a', { user: 'alice' }))).toBe(true);
+    expect(isOwnLease(s, lease('b', { user: 'bob' }))).toBe(false);
+  });
+
+  it('never owns a lease shown as another user', () => {
+    const s = status({ user: 'another user' });
+    expect(isOwnLease(s, lease('a', { user: 'another user', holder: 'another user' }))).toBe(
+      false
+    );
+  });
+
+  it("owns the leases of this server's kernels when the user is unknown", () => {
+    const kernels = new Map([['k1', 'Train.ipynb']]);
+    expect(isOwnLease(status(), lease('a', { kernel_id: 'k1' }), kernels)).toBe(true);
+    expect(isOwnLease(status(), lease('b', { kernel_id: 'k2' }), kernels)).toBe(false);
+  });
+});
+
+describe('socketRetryDelay', () => {
+  const options = { baseMs: 2000, maxMs: 60000, maxAttempts: 5, slowMs: 300000 };
+
+  it('backs off exponentially up to the cap', () => {
+    expect([1, 2, 3, 4].map(n => socketRetryDelay(n, false, 1006, options))).toEqual([
+      2000, 4000, 8000, 16000
+    ]);
+    expect(socketRetryDelay(10, true, 1006, options)).toBe(60000);
+  });
+
+  it('slows down when the socket never worked', () => {
+    expect(socketRetryDelay(5, false, 1006, options)).toBe(300000);
+    expect(socketRetryDelay(5, true, 1006, options)).toBe(32000);
+  });
+
+  it('slows down when the server refuses the socket', () => {
+    expect(socketRetryDelay(1, true, 1008, options)).toBe(300000);
+    expect(socketRetryDelay(1, true, 4403, options)).toBe(300000);
+    expect(socketRetryDelay(1, true, 1001, options)).toBe(2000);
+  });
+});
+
+// ---------------------------------------------------------------------------------------------
+// The model
+
+describe('GPUSchedModel', () => {
+  let h: IHarness;
+
+  afterEach(() => {
+    h?.model.dispose();
+  });
+
+  it('goes live on the first snapshot of the events socket', () => {
+    h = harness();
+    h.model.start();
+    expect(h.sockets).toHaveLength(1);
+    expect(h.sockets[0].url).toBe('ws://example/api/gpusched/events');
+    expect(h.model.connection).toBe('connecting');
+
+    h.sockets[0].open();
+    h.sockets[0].send({ type: 'snapshot', status: payload({ leases: [lease('a')] }) });
+    expect(h.model.connection).toBe('live');
+    expect(h.model.status?.leases.map(l => l.id)).toEqual(['a']);
+    expect(h.changes()).toBeGreaterThan(0);
+    expect(h.client.getStatus).not.toHaveBeenCalled();
+  });
+
+  it('upserts lease and device events and finds the lease of a kernel', () => {
+    h = harness();
+    h.model.start();
+    const socket = h.sockets[0];
+    socket.open();
+    socket.send({ type: 'snapshot', ...payload() });
+    expect(h.model.leaseOfKernel('k1')).toBeNull();
+
+    const before = h.changes();
+    socket.send({
+      type: 'lease',
+      lease: lease('a', { kernel_id: 'k1', devices: ['GPU-1'], device_indices: [1] })
+    });
+    expect(h.changes()).toBe(before + 1);
+    expect(h.model.leaseOfKernel('k1')?.id).toBe('a');
+
+    socket.send({ type: 'lease', lease: { id: 'a', state: 'idle' } });
+    expect(h.model.leaseOfKernel('k1')?.state).toBe('idle');
+
+    socket.send({ type: 'device', device: { uuid: 'GPU-1', utilization: 77 } });
+    expect(h.model.status?.devices[1].utilization).toBe(77);
+
+    socket.send({ type: 'lease', lease: { id: 'a', state: 'released' } });
+    expect(h.model.leaseOfKernel('k1')).toBeNull();
+  });
+
+  it('emits notices without changing the status', () => {
+    h = harness();
+    const notices: INotice[] = [];
+    h.model.noticeReceived.connect((_, notice) => notices.push(notice));
+    h.model.start();
+    h.sockets[0].open();
+    h.sockets[0].send({ type: 'snapshot', ...payload() });
+    const before = h.changes();
+    h.sockets[0].send({
+      type: 'notice',
+      kind: 'queued',
+      lease_id: 'w',
+      kernel_id: 'k',
+      message: 'position 2',
+      position: 2
+    });
+    expect(notices).toEqual([
+      { kind: 'queued', lease_id: 'w', kernel_id: 'k', message: 'position 2', position: 2 }
+    ]);
+    expect(h.changes()).toBe(before);
+  });
+
+  it('polls the REST status when the socket fails, and returns to the socket', async () => {
+    h = harness();
+    h.client.status = payload({ leases: [lease('polled')] });
+    h.model.start();
+    h.sockets[0].fail();
+
+    await waitFor(() => h.model.connection === 'polling');
+    expect(h.client.getStatus).toHaveBeenCalled();
+    expect(h.model.status?.leases.map(l => l.id)).toEqual(['polled']);
+
+    // The socket is retried after the backoff delay and, once live, polling stops.
+    await waitFor(() => h.sockets.length === 2);
+    h.sockets[1].open();
+    h.sockets[1].send({ type: 'snapshot', ...payload({ leases: [lease('pushed')] }) });
+    expect(h.model.connection).toBe('live');
+    expect(h.model.status?.leases.map(l => l.id)).toEqual(['pushed']);
+    const calls = h.client.calls.getStatus;
+    await sleep(1300);
+    expect(h.client.calls.getStatus).toBe(calls);
+  });
+
+  it('falls back to polling when the socket cannot even be created', async () => {
+    h = harness({
+      openSocket: () => {
+        throw new Error('WebSocket is not available');
+      }
+    });
+    h.model.start();
+    await waitFor(() => h.model.connection === 'polling');
+    expect(h.model.status).not.toBeNull();
+  });
+
+  it('goes offline when neither socket nor REST answers, and recovers', async () => {
+    h = harness();
+    h.client.failWith = new GPUSchedError('The GPU scheduler is not available', 404);
+    h.model.start();
+    h.sockets[0].fail();
+    await waitFor(() => h.model.connection === 'offline');
+    expect(h.model.error).toBe('The GPU scheduler is not available');
+    expect(h.model.status).toBeNull();
+
+    h.client.failWith = null;
+    await h.model.refresh();
+    expect(h.model.connection).toBe('polling');
+    expect(h.model.error).toBeNull();
+    expect(h.model.status).not.toBeNull();
+  });
+
+  it('keeps retrying the socket with backoff after it was live', async () => {
+    h = harness();
+    h.model.start();
+    h.sockets[0].open();
+    h.sockets[0].send({ type: 'snapshot', ...payload() });
+    h.sockets[0].fail(1001);
+    expect(h.model.connection).toBe('polling');
+    await waitFor(() => h.sockets.length === 2);
+    h.sockets[1].fail();
+    await waitFor(() => h.sockets.length === 3);
+    h.sockets[2].fail();
+    await waitFor(() => h.sockets.length === 4);
+  });
+
+  it('asks REST when an open socket sends no snapshot', async () => {
+    h = harness();
+    h.client.status = payload({ leases: [lease('rest')] });
+    h.model.start();
+    h.sockets[0].open();
+    await waitFor(() => h.model.connection === 'live');
+    expect(h.client.getStatus).toHaveBeenCalledTimes(1);
+    expect(h.model.status?.leases.map(l => l.id)).toEqual(['rest']);
+  });
+
+  it('releases and keeps leases through the client', async () => {
+    h = harness();
+    h.model.start();
+    h.sockets[0].open();
+    h.sockets[0].send({ type: 'snapshot', ...payload({ leases: [lease('a'), lease('b')] }) });
+
+    await h.model.keep('a');
+    expect(h.client.keepLease).toHaveBeenCalledWith('a', 1800);
+    expect(h.model.lease('a')?.keep_until).toBe(iso(T0 + 1800 * 1000));
+
+    await h.model.release('b');
+    expect(h.client.releaseLease).toHaveBeenCalledWith('b');
+    expect(h.model.lease('b')).toBeNull();
+
+    await h.model.drain('GPU-1');
+    expect(h.client.drainDevice).toHaveBeenCalledWith('GPU-1');
+    expect(h.model.status?.devices[1].health).toBe('drained');
+    await h.model.undrain('GPU-1');
+    expect(h.model.status?.devices[1].health).toBe('ok');
+    // Live: no REST refresh needed after actions.
+    expect(h.client.getStatus).not.toHaveBeenCalled();
+  });
+
+  it("keeps within the server's max_keep", async () => {
+    h = harness();
+    h.model.handleEvent({
+      type: 'snapshot',
+      status: payload({ leases: [lease('a')], config: { max_keep: 600 } })
+    });
+    expect(h.model.keepSeconds()).toBe(600);
+    await h.model.keep('a');
+    expect(h.client.keepLease).toHaveBeenCalledWith('a', 600);
+  });
+
+  it('takes the events as the server sends them', () => {
+    h = harness();
+    const notices: INotice[] = [];
+    h.model.noticeReceived.connect((_, notice) => notices.push(notice));
+    h.model.start();
+    const socket = h.sockets[0];
+    socket.open();
+    socket.send({
+      type: 'snapshot',
+      ...payload({ user: 'alice', is_admin: true, time: T0 / 1000 }),
+      backend_note: null,
+      unleased_processes: [],
+      queue: [{ lease_id: 'w', kernel_id: null, user: 'another user', position: 1, count: 2 }]
+    });
+    expect(h.model.status?.queue[0]).toMatchObject({ lease_id: 'w', position: 1, count: 2 });
+    socket.send({
+      type: 'lease',
+      lease: lease('a', { kernel_id: 'k', mine: true, count: 1, reason: 'granted' })
+    });
+    socket.send({
+      type: 'notice',
+      kind: 'reclaim_warning',
+      lease_id: 'a',
+      kernel_id: 'k',
+      user: 'alice',
+      message: 'idle 5m while 1 waits',
+      reclaim_at: iso(T0 + 60000),
+      state: 'reclaiming'
+    });
+    expect(h.model.leaseOfKernel('k')?.mine).toBe(true);
+    expect(notices[0]).toMatchObject({ kind: 'reclaim_warning', user: 'alice', state: 'reclaiming' });
+  });
+
+  it('lets action errors reach the caller', async () => {
+    h = harness();
+    h.client.keepLease.mockRejectedValueOnce(
+      new GPUSchedError('keep is limited to 2 h (max_keep)', 400, 'Bad Request')
+    );
+    await expect(h.model.keep('a', 99999)).rejects.toThrow('max_keep');
+  });
+
+  it('follows the server clock and tracks local kernels', () => {
+    h = harness();
+    h.model.start();
+    h.sockets[0].open();
+    h.sockets[0].send({ type: 'snapshot', ...payload({ time: (T0 + 90000) / 1000 }) });
+    expect(h.model.now()).toBe(T0 + 90000);
+    // A server time a tick old is not clock skew.
+    h.sockets[0].send({ type: 'snapshot', ...payload({ time: (T0 - 2000) / 1000 }) });
+    expect(h.model.now()).toBe(T0);
+
+    const before = h.changes();
+    h.model.localKernels = new Map([['k', 'dir/Train.ipynb']]);
+    h.model.localKernels = new Map([['k', 'dir/Train.ipynb']]);
+    expect(h.changes()).toBe(before + 1);
+    expect(h.model.pathOfKernel('k')).toBe('dir/Train.ipynb');
+    expect(h.model.isOwn(lease('x', { kernel_id: 'k' }))).toBe(true);
+  });
+
+  it('bounds the refresh interval', () => {
+    h = harness();
+    h.model.refreshInterval = 0.1;
+    expect(h.model.refreshInterval).toBe(1);
+    h.model.refreshInterval = 30;
+    expect(h.model.refreshInterval).toBe(30);
+  });
+
+  it('closes the socket when disposed and ignores it afterwards', () => {
+    h = harness();
+    h.model.start();
+    const socket = h.sockets[0];
+    h.model.dispose();
+    expect(socket.closed).toBe(true);
+    expect(h.model.isDisposed).toBe(true);
+  });
+});

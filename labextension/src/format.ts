@@ -1,0 +1,485 @@
+/**
+ * Pure helpers: formatting sizes, times and percentages, and reading the status
+ * (the lease of a kernel, the holders of a device, a queue position).
+ *
+ * Nothing here touches the DOM, the network or the clock: time is passed in (milliseconds
+ * since the epoch, as `Date.now()` gives).
+ */
+import type { IDevice, ILease, IStatus, LeaseState } from './api';
+
+/** What is shown where a value is unknown. */
+export const UNKNOWN = 'n/a';
+
+const BYTE_UNITS = ['B', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB'];
+
+function unitOf(bytes: number): number {
+  let unit = 0;
+  let value = Math.abs(bytes);
+  while (value >= 1024 && unit < BYTE_UNITS.length - 1) {
+    value /= 1024;
+    unit += 1;
+  }
+  return unit;
+}
+
+function inUnit(bytes: number, unit: number, digits: number): string {
+  if (unit === 0) {
+    return `${Math.round(bytes)}`;
+  }
+  return (bytes / Math.pow(1024, unit)).toFixed(digits);
+}
+
+/** `85899345920` -> `"80.0 GiB"`; `null` -> `"n/a"`. Binary units. */
+export function formatBytes(bytes: number | null | undefined, digits = 1): string {
+  if (bytes === null || bytes === undefined || !Number.isFinite(bytes)) {
+    return UNKNOWN;
+  }
+  const unit = unitOf(bytes);
+  return `${inUnit(bytes, unit, digits)} ${BYTE_UNITS[unit]}`;
+}
+
+/** Used and total memory in the total's unit: `"12.3 / 80.0 GiB"`. */
+export function formatMemory(
+  used: number | null | undefined,
+  total: number | null | undefined,
+  digits = 1
+): string {
+  if (total === null || total === undefined || !Number.isFinite(total)) {
+    return `${formatBytes(used, digits)} / ${UNKNOWN}`;
+  }
+  const unit = unitOf(total);
+  const usedText =
+    used === null || used === undefined || !Number.isFinite(used)
+      ? '?'
+      : inUnit(used, unit, digits);
+  return `${usedText} / ${inUnit(total, unit, digits)} ${BYTE_UNITS[unit]}`;
+}
+
+/** `42.4` -> `"42%"`, clamped to 0-100; `null` -> `"n/a"`. */
+export function formatPercent(value: number | null | undefined, digits = 0): string {
+  if (value === null || value === undefined || !Number.isFinite(value)) {
+    return UNKNOWN;
+  }
+  return `${clampPercent(value).toFixed(digits)}%`;
+}
+
+/** Clamp a percentage to 0-100 (`null` stays `null`). */
+export function clampPercent(value: number): number;
+export function clampPercent(value: number | null | undefined): number | null;
+export function clampPercent(value: number | null | undefined): number | null {
+  if (value === null || value === undefined || !Number.isFinite(value)) {
+    return null;
+  }
+  return Math.min(100, Math.max(0, value));
+}
+
+/** Share of `total` that `used` is, in percent (0-100), or `null` when unknown. */
+export function percentOf(
+  used: number | null | undefined,
+  total: number | null | undefined
+): number | null {
+  if (
+    used === null ||
+    used === undefined ||
+    total === null ||
+    total === undefined ||
+    !(total > 0)
+  ) {
+    return null;
+  }
+  return clampPercent((used / total) * 100);
+}
+
+function pad2(value: number): string {
+  return value < 10 ? `0${value}` : `${value}`;
+}
+
+/**
+ * A human duration: `45` -> `"45s"`, `252` -> `"4m 12s"`, `3900` -> `"1h 05m"`,
+ * `183600` -> `"2d 3h"`. Negative durations read as `"0s"`.
+ */
+export function formatDuration(seconds: number | null | undefined): string {
+  if (seconds === null || seconds === undefined || !Number.isFinite(seconds)) {
+    return UNKNOWN;
+  }
+  const total = Math.max(0, Math.floor(seconds));
+  const days = Math.floor(total / 86400);
+  const hours = Math.floor((total % 86400) / 3600);
+  const minutes = Math.floor((total % 3600) / 60);
+  const secs = total % 60;
+  if (days > 0) {
+    return `${days}d ${hours}h`;
+  }
+  if (hours > 0) {
+    return `${hours}h ${pad2(minutes)}m`;
+  }
+  if (minutes > 0) {
+    return `${minutes}m ${pad2(secs)}s`;
+  }
+  return `${secs}s`;
+}
+
+/**
+ * A countdown clock: `59.2` -> `"1:00"` (rounded up, so it reaches 0:00 only at the moment),
+ * `3723` -> `"1:02:03"`; the past reads `"0:00"`.
+ */
+export function formatCountdown(seconds: number | null | undefined): string {
+  if (seconds === null || seconds === undefined || !Number.isFinite(seconds)) {
+    return UNKNOWN;
+  }
+  const total = Math.max(0, Math.ceil(seconds));
+  const hours = Math.floor(total / 3600);
+  const minutes = Math.floor((total % 3600) / 60);
+  const secs = total % 60;
+  if (hours > 0) {
+    return `${hours}:${pad2(minutes)}:${pad2(secs)}`;
+  }
+  return `${minutes}:${pad2(secs)}`;
+}
+
+/** How long a keep lasts, for a button: `1800` -> `"30 min"`, `3600` -> `"1 h"`. */
+export function keepLabel(seconds: number): string {
+  if (seconds >= 3600 && seconds % 3600 === 0) {
+    return `${seconds / 3600} h`;
+  }
+  return `${Math.max(1, Math.round(seconds / 60))} min`;
+}
+
+/** Milliseconds since the epoch of an ISO 8601 time, or `null`. */
+export function parseTime(iso: string | null | undefined): number | null {
+  if (!iso) {
+    return null;
+  }
+  const ms = Date.parse(iso);
+  return Number.isNaN(ms) ? null : ms;
+}
+
+/** Seconds from `nowMs` until `iso` (negative once past), or `null`. */
+export function secondsUntil(iso: string | null | undefined, nowMs: number): number | null {
+  const ms = parseTime(iso);
+  return ms === null ? null : (ms - nowMs) / 1000;
+}
+
+/** Seconds from `iso` until `nowMs`, or `null`. */
+export function secondsSince(iso: string | null | undefined, nowMs: number): number | null {
+  const ms = parseTime(iso);
+  return ms === null ? null : (nowMs - ms) / 1000;
+}
+
+/** The last path segment: `"work/Train.ipynb"` -> `"Train.ipynb"`. */
+export function baseName(path: string): string {
+  const parts = path.split('/').filter(part => part.length > 0);
+  return parts.length > 0 ? parts[parts.length - 1] : path;
+}
+
+/** `"NVIDIA A100-SXM4-80GB"` -> `"A100-SXM4-80GB"`. */
+export function shortDeviceName(name: string): string {
+  return name.replace(/^NVIDIA\s+/i, '');
+}
+
+/** States in which a lease holds devices. */
+export const HOLDING_STATES: ReadonlyArray<LeaseState> = ['active', 'idle', 'reclaiming'];
+
+/** Whether a lease in `state` holds devices. */
+export function isHolding(state: LeaseState): boolean {
+  return HOLDING_STATES.indexOf(state) >= 0;
+}
+
+/** Rank of a state when several leases name one kernel: a live lease wins over an old one. */
+function stateRank(state: LeaseState): number {
+  switch (state) {
+    case 'active':
+    case 'idle':
+    case 'reclaiming':
+      return 3;
+    case 'suspended':
+      return 2;
+    case 'pending':
+      return 1;
+    default:
+      return 0;
+  }
+}
+
+/**
+ * The lease of a kernel: the one that holds devices, else a suspended or pending one; among
+ * equals the most recently granted. Released leases do not count. `null` if none.
+ */
+export function leaseOfKernel(
+  status: IStatus | null,
+  kernelId: string | null | undefined
+): ILease | null {
+  if (!status || !kernelId) {
+    return null;
+  }
+  let best: ILease | null = null;
+  for (const lease of status.leases) {
+    if (lease.kernel_id !== kernelId || lease.state === 'released') {
+      continue;
+    }
+    if (best === null) {
+      best = lease;
+      continue;
+    }
+    const rank = stateRank(lease.state) - stateRank(best.state);
+    const newer = (parseTime(lease.granted_at) ?? 0) > (parseTime(best.granted_at) ?? 0);
+    if (rank > 0 || (rank === 0 && newer)) {
+      best = lease;
+    }
+  }
+  return best;
+}
+
+/** The devices a lease names, in index order (unknown UUIDs are skipped). */
+export function devicesOfLease(status: IStatus | null, lease: ILease): IDevice[] {
+  if (!status) {
+    return [];
+  }
+  return status.devices
+    .filter(device => lease.devices.indexOf(device.uuid) >= 0)
+    .sort((a, b) => a.index - b.index);
+}
+
+/** Device indices of a lease: from the lease, else from its devices. */
+export function deviceIndicesOf(status: IStatus | null, lease: ILease): number[] {
+  if (lease.device_indices && lease.device_indices.length > 0) {
+    return [...lease.device_indices].sort((a, b) => a - b);
+  }
+  return devicesOfLease(status, lease).map(device => device.index);
+}
+
+/** The leases that hold a device now (by the lease's devices or the device's lease ids). */
+export function holdersOfDevice(status: IStatus | null, device: IDevice): ILease[] {
+  if (!status) {
+    return [];
+  }
+  return status.leases.filter(
+    lease =>
+      isHolding(lease.state) &&
+      (lease.devices.indexOf(device.uuid) >= 0 || device.lease_ids.indexOf(lease.id) >= 0)
+  );
+}
+
+/** Processes on a device that belong to no lease. */
+export function unleasedProcesses(device: IDevice): IDevice['processes'] {
+  return (device.processes ?? []).filter(process => !process.kernel_id);
+}
+
+/** 1-based queue position of a pending lease, from the queue or the lease; else `null`. */
+export function queuePosition(status: IStatus | null, lease: ILease): number | null {
+  if (lease.state !== 'pending') {
+    return null;
+  }
+  const entry = status?.queue.find(item => item.lease_id === lease.id);
+  if (entry) {
+    return entry.position;
+  }
+  return lease.position ?? null;
+}
+
+/** Memory of a lease: what its kernel uses on its devices, and what it may use. */
+export interface ILeaseMemory {
+  /** Bytes the kernel's processes hold; the device's usage for an exclusive lease when the
+   * driver does not say per process; `null` when unknown. */
+  used: number | null;
+  /** Bytes the lease may use: its per-GPU memory for shared leases, whole GPUs otherwise. */
+  total: number | null;
+}
+
+/** Memory used and granted for a lease, summed over its devices. */
+export function leaseMemory(status: IStatus | null, lease: ILease): ILeaseMemory {
+  const devices = devicesOfLease(status, lease);
+  if (devices.length === 0) {
+    return { used: null, total: null };
+  }
+  let total = 0;
+  let used = 0;
+  let usedKnown = true;
+  for (const device of devices) {
+    total += lease.memory ?? device.memory_total;
+    const own = lease.kernel_id
+      ? (device.processes ?? []).filter(process => process.kernel_id === lease.kernel_id)
+      : [];
+    const ownKnown = own.filter(process => process.memory_used !== null);
+    if (ownKnown.length > 0) {
+      used += ownKnown.reduce((sum, process) => sum + (process.memory_used ?? 0), 0);
+    } else if (lease.mode === 'exclusive' && device.memory_used !== null) {
+      used += device.memory_used;
+    } else {
+      usedKnown = false;
+    }
+  }
+  return { used: usedKnown ? used : null, total };
+}
+
+/** Seconds until a lease is reclaimed, or `null` if no reclaim is scheduled. */
+export function reclaimCountdown(lease: ILease, nowMs: number): number | null {
+  if (!isHolding(lease.state)) {
+    return null;
+  }
+  return secondsUntil(lease.reclaim_at, nowMs);
+}
+
+/** Seconds a lease stays kept, or `null` if it is not kept now. */
+export function keepRemaining(lease: ILease, nowMs: number): number | null {
+  const seconds = secondsUntil(lease.keep_until, nowMs);
+  return seconds !== null && seconds > 0 ? seconds : null;
+}
+
+/**
+ * How long an idle lease has been idle: from `last_active_at` where sent, else the
+ * server's `idle_seconds`. `null` unless the lease is idle or being reclaimed.
+ */
+export function idleSeconds(lease: ILease, nowMs: number): number | null {
+  if (lease.state !== 'idle' && lease.state !== 'reclaiming') {
+    return null;
+  }
+  const since = secondsSince(lease.last_active_at, nowMs);
+  if (since !== null) {
+    return Math.max(0, since);
+  }
+  return lease.idle_seconds ?? null;
+}
+
+/** A short name for the notebook or kernel a lease serves. */
+export function leaseLabel(lease: ILease, kernelPath?: string | null): string {
+  const path = lease.notebook || kernelPath;
+  if (path) {
+    return baseName(path);
+  }
+  return kernelLabel(lease.kernel_id);
+}
+
+/** `"kernel 01234567"` for a kernel id; `"a hidden kernel"` when not shown. */
+export function kernelLabel(kernelId: string | null | undefined): string {
+  return kernelId ? `kernel ${kernelId.slice(0, 8)}` : 'a hidden kernel';
+}
+
+/**
+ * How long a "Keep" keeps: what is wanted, within the server's `max_keep` when it says.
+ */
+export function effectiveKeepSeconds(status: IStatus | null, wanted: number): number {
+  const max = status?.config?.max_keep;
+  return typeof max === 'number' && max > 0 ? Math.min(wanted, max) : wanted;
+}
+
+/** Who holds a lease as this user may see it. */
+export function holderOf(lease: ILease): string {
+  return lease.holder || lease.user || 'unknown user';
+}
+
+/** `[0]` -> `"GPU 0"`, `[0, 1]` -> `"GPUs 0, 1"`, `[]` -> `"GPU"`. */
+export function formatDeviceIndices(indices: number[]): string {
+  if (indices.length === 0) {
+    return 'GPU';
+  }
+  return `${indices.length > 1 ? 'GPUs' : 'GPU'} ${indices.join(', ')}`;
+}
+
+/** Human words for a lease state. */
+export function stateLabel(state: LeaseState): string {
+  switch (state) {
+    case 'pending':
+      return 'queued';
+    case 'reclaiming':
+      return 'being reclaimed';
+    default:
+      return state;
+  }
+}
+
+/** What the status bar shows for one kernel. */
+export interface IKernelSummary {
+  /** The one-line text. */
+  text: string;
+  /** A longer description, for the tooltip and the accessible name. */
+  description: string;
+  /** `none`, `unavailable`, `loading` or the lease state. */
+  state: LeaseState | 'none' | 'unavailable' | 'loading';
+}
+
+/**
+ * The status bar summary of a kernel's GPU lease: `"GPU: none"`, `"GPU: queued #2"`,
+ * `"GPU 0: A100 · 12.0 / 80.0 GiB"`, `"GPU 0: A100 · 1.0 / 80.0 GiB · idle 4m 12s"`,
+ * `"GPU 0: A100 · reclaim in 0:42"`, `"GPU: suspended"`.
+ */
+export function summarizeKernel(
+  status: IStatus | null,
+  lease: ILease | null,
+  nowMs: number,
+  error: string | null = null
+): IKernelSummary {
+  if (!status) {
+    if (error) {
+      return {
+        text: 'GPU: unavailable',
+        description: `GPU scheduler unavailable: ${error}`,
+        state: 'unavailable'
+      };
+    }
+    return { text: 'GPU: …', description: 'Loading GPU status', state: 'loading' };
+  }
+  if (!lease) {
+    const free = status.devices.filter(
+      device => device.health === 'ok' && holdersOfDevice(status, device).length === 0
+    ).length;
+    return {
+      text: 'GPU: none',
+      description: `This kernel holds no GPU (${free} of ${status.devices.length} free on this host).`,
+      state: 'none'
+    };
+  }
+  if (lease.state === 'pending') {
+    const position = queuePosition(status, lease);
+    const text = position !== null ? `GPU: queued #${position}` : 'GPU: queued';
+    return {
+      text,
+      description:
+        position !== null
+          ? `This kernel is waiting for a GPU: position ${position} in the queue.`
+          : 'This kernel is waiting for a GPU.',
+      state: 'pending'
+    };
+  }
+  if (lease.state === 'suspended') {
+    return {
+      text: 'GPU: suspended',
+      description:
+        "This kernel's GPU state is suspended to host memory; it is restored when the next cell runs.",
+      state: 'suspended'
+    };
+  }
+  if (lease.state === 'released') {
+    return { text: 'GPU: none', description: 'This kernel holds no GPU.', state: 'none' };
+  }
+
+  const devices = devicesOfLease(status, lease);
+  const indices = deviceIndicesOf(status, lease);
+  const names = Array.from(new Set(devices.map(device => shortDeviceName(device.name))));
+  const head = `${formatDeviceIndices(indices)}${names.length > 0 ? `: ${names.join(', ')}` : ''}`;
+  const parts = [head];
+  const details = [`${head}, lease ${stateLabel(lease.state)}`];
+
+  const reclaimIn = reclaimCountdown(lease, nowMs);
+  const kept = keepRemaining(lease, nowMs);
+  const idle = idleSeconds(lease, nowMs);
+  const memory = leaseMemory(status, lease);
+
+  if (reclaimIn !== null) {
+    parts.push(`reclaim in ${formatCountdown(reclaimIn)}`);
+    details.push(`reclaimed in ${formatCountdown(reclaimIn)} unless kept or used`);
+  } else {
+    parts.push(formatMemory(memory.used, memory.total));
+    if (idle !== null) {
+      parts.push(`idle ${formatDuration(idle)}`);
+    }
+  }
+  details.push(`memory ${formatMemory(memory.used, memory.total)}`);
+  if (idle !== null) {
+    details.push(`idle for ${formatDuration(idle)}`);
+  }
+  if (kept !== null) {
+    details.push(`kept for ${formatDuration(kept)} more`);
+  }
+  return { text: parts.join(' · '), description: `${details.join('; ')}.`, state: lease.state };
+}
