@@ -27,7 +27,7 @@ from .core import Capabilities, KernelActivity, Lease, LeaseState, SchedConfig, 
 from .devices.base import DeviceBackend, DeviceSnapshot, InventoryUnavailable
 from .ledger import Ledger, LedgerError, OwnerId, is_alive
 from .reclaim.checkpoint import CheckpointError, Checkpointer, Unavailable
-from .views import Principal, ViewContext, device_json, lease_json, queue_json
+from .views import Principal, ViewContext, device_json, iso, lease_json, queue_json
 
 log = logging.getLogger("jupyter_gpusched")
 
@@ -336,6 +336,9 @@ class LocalArbiter(Arbiter):
         """Observe, plan in one transaction, persist, then carry out what was decided."""
         async with self._tick_lock:
             snap = await self._refresh_devices()
+            refresh = getattr(self.kernels, "refresh_notebooks", None)
+            if refresh is not None:
+                await refresh()
             activity = self._observe(snap)
             plan, before, notices, _ = await asyncio.to_thread(self._plan_tx, activity, None)
             await self._after_plan(plan, before, notices)
@@ -703,7 +706,7 @@ class LocalArbiter(Arbiter):
                 "max_keep": self.cfg.max_keep,
                 "poll_interval": self.poll_interval,
             },
-            "time": ctx.now,
+            "time": iso(ctx.now),
         }
 
     async def devices(self, who: Principal) -> list[dict]:

@@ -210,7 +210,23 @@ def _fail(verb: str, message: str) -> int:
 # -- entry point ---------------------------------------------------------------------------------
 #: Functions that add one verb's subparser each (``status``, ``release``, ``drain``,
 #: ``kernelspec`` and ``broker`` join ``simulate`` here).
-VERBS: list[Callable[[argparse._SubParsersAction], None]] = [_add_simulate]
+def _add_admin(verbs: argparse._SubParsersAction) -> None:
+    from .commands import add_verbs
+
+    add_verbs(verbs)
+
+
+def _add_broker(verbs: argparse._SubParsersAction) -> None:
+    parser = verbs.add_parser(
+        "broker",
+        help="hub mode: the GPU broker, run as a JupyterHub service",
+        description="Run the GPU broker (configure with --GPUBroker.<trait>=... or a config file).",
+        add_help=False,
+    )
+    parser.set_defaults(func=lambda args: main(["broker"]))
+
+
+VERBS: list[Callable[[argparse._SubParsersAction], None]] = [_add_simulate, _add_admin, _add_broker]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -226,13 +242,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``jupyter gpusched VERB ...``; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["broker"]:
+        # The broker is a traitlets application with its own --GPUBroker.<trait>= options.
+        from .hub.broker import main as broker_main
+
+        return broker_main(argv[1:]) or 0
     parser = build_parser()
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help(sys.stderr)
         return 2
-    return func(args)
+    from .commands import CommandError
+
+    try:
+        return func(args)
+    except CommandError as err:
+        print(f"{PROG} {args.verb if hasattr(args, 'verb') else ''}: {err}".replace("  ", " "), file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

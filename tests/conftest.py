@@ -7,6 +7,10 @@ import json
 import os
 import sys
 import time
+import urllib.request
+import subprocess
+import socket
+import signal
 import uuid
 from pathlib import Path
 
@@ -240,6 +244,77 @@ async def api(jp_fetch, *parts, method="GET", body=None, headers=None, **kwargs)
             return exc.code, json.loads(text) if text else None
         except ValueError:
             return exc.code, {"raw": text.decode(errors="replace")}
+
+
+# -- a real server process ---------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A real ``jupyter server`` process with the extension on 2 simulated GPUs."""
+
+    def __init__(self, tmp_path, ledger: str, port: int, extra: tuple[str, ...] = ()) -> None:
+        self.port = port
+        self.token = "test-token"
+        env = dict(os.environ)
+        env["JUPYTER_RUNTIME_DIR"] = str(tmp_path / "runtime")
+        env["JUPYTER_CONFIG_DIR"] = str(tmp_path / "config")
+        env["JUPYTER_DATA_DIR"] = str(tmp_path / "data")
+        self.log = open(tmp_path / f"server-{port}-{time.monotonic_ns()}.log", "w")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "jupyter_server",
+                f"--port={port}", "--ip=127.0.0.1", "--no-browser", "--allow-root",
+                f"--IdentityProvider.token={self.token}",
+                f"--ServerApp.root_dir={tmp_path}",
+                "--ServerApp.jpserver_extensions={'jupyter_gpusched': True}",
+                "--GPUSchedApp.backend=simulated",
+                "--GPUSchedApp.simulated_devices=2",
+                f"--GPUSchedApp.ledger_path={ledger}",
+                "--GPUSchedApp.poll_interval=0.5",
+                *extra,
+            ],
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                self.call("GET", "api/gpusched/status")
+                return
+            except OSError:
+                time.sleep(0.3)
+        raise RuntimeError(f"server on port {port} did not start")
+
+    def call(self, method: str, path: str, body=None):
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/{path}",
+            data=None if body is None else json.dumps(body).encode(),
+            method=method,
+            headers={"Authorization": f"token {self.token}", "Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            raw = resp.read()
+            return resp.status, json.loads(raw) if raw else None
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
 
 
 def pytest_collection_modifyitems(config, items):
