@@ -8,7 +8,7 @@ the ``reclaim`` decisions; the simulator calls it on its virtual clock. Same inp
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Iterable, Mapping, Sequence
+from typing import AbstractSet, Iterable, Mapping, Sequence
 
 from . import fairness, idle, ladder
 from .model import (
@@ -22,7 +22,7 @@ from .model import (
     SchedConfig,
     Step,
 )
-from .placement import place
+from .placement import Occupancy, fits, place, schedulable
 
 
 class _Limits:
@@ -132,13 +132,28 @@ class _Pass:
                     self.wake(lease.last_active_at + limit.idle_after)
 
     # -- granting --------------------------------------------------------------------------
-    def placement_for(self, lease: Lease, leases: Iterable[Lease]):
+    def placement_for(self, lease: Lease, leases: Iterable[Lease], avoid: AbstractSet[str] = frozenset()):
+        """Where ``lease`` would go now (a restore goes home, or to the same model with remap),
+        keeping off the devices in ``avoid``."""
+        allowed = [d.uuid for d in self.devices if d.uuid not in avoid] if avoid else None
         if lease.home:
             home = [self.by_uuid[u] for u in lease.home if u in self.by_uuid]
             if self.caps.remap:
-                return place(lease, self.devices, leases, same_model_as=home or ())
-            return place(lease, self.devices, leases, only=lease.home)
-        return place(lease, self.devices, leases)
+                return place(lease, self.devices, leases, same_model_as=home or (), only=allowed)
+            return place(lease, self.devices, leases, only=[u for u in lease.home if u not in avoid])
+        return place(lease, self.devices, leases, only=allowed)
+
+    def usable(self, lease: Lease) -> set[str]:
+        """Every device ``lease`` could be placed on when nobody holds it."""
+        empty = Occupancy(False, 0, 0)
+        out = {d.uuid for d in schedulable(self.devices) if fits(d, empty, lease)}
+        if lease.home and not self.caps.remap:
+            out &= set(lease.home)
+        elif lease.home:
+            models = {self.by_uuid[u].name for u in lease.home if u in self.by_uuid}
+            if models:
+                out = {u for u in out if self.by_uuid[u].name in models}
+        return out
 
     def could_fit(self, lease: Lease) -> bool:
         """Whether the claim fits on the healthy devices it may use once nobody holds them.
@@ -151,22 +166,21 @@ class _Pass:
     def grant(self, pending: list[Lease], usage: fairness.Usage) -> tuple[list[Lease], list[Lease]]:
         """Grant what fits in fair order; return the fair queue and the claims left waiting."""
         blocked: list[Lease] = []
-        reserved = False
+        # Devices held for claims that waited past backfill_wait: nothing behind them in the
+        # queue is placed there until they are served. A restore that can only go home holds
+        # its home GPU, not the whole host.
+        reserved: set[str] = set()
 
         def serve(lease: Lease) -> bool:
-            nonlocal reserved
             lease = self.leases[lease.id]
-            if reserved:
-                blocked.append(lease)
-                return False
-            chosen = self.placement_for(lease, self.live())
+            chosen = self.placement_for(lease, self.live(), avoid=reserved)
             if chosen is None:
                 blocked.append(lease)
                 possible = self.could_fit(lease)
                 waited = self.now - lease.queued_at
                 if possible and waited >= self.cfg.backfill_wait:
-                    # Hold the line: nothing behind it is served until it is.
-                    reserved = True
+                    # Hold the line: nothing behind it takes the devices it could use.
+                    reserved.update(self.usable(lease))
                 elif possible:
                     self.wake(lease.queued_at + self.cfg.backfill_wait)
                 why = self.why_waiting(lease, possible)
