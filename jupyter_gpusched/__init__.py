@@ -1,8 +1,32 @@
 """Fair, dynamic GPU sharing for Jupyter."""
 
+from typing import Any
+
 from ._version import __version__
 
-__all__ = ["__version__"]
+__all__ = ["__version__", "gpu", "load_ipython_extension", "unload_ipython_extension"]
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext jupyter_gpusched``: the kernel agent (``%gpu`` magics, pre-run hook)."""
+    from .kernel import load_ipython_extension as load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    from .kernel import unload_ipython_extension as unload
+
+    unload(ipython)
+
+
+def __getattr__(name: str) -> Any:
+    # ``from jupyter_gpusched import gpu`` without importing any server code.
+    if name == "gpu":
+        from .kernel.api import gpu
+
+        return gpu
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _jupyter_server_extension_points() -> list[dict]:

@@ -1,0 +1,106 @@
+"""The Python API: ``from jupyter_gpusched import gpu``.
+
+``gpu`` talks for the kernel it runs in. Using it loads the kernel agent into the running IPython
+(so that a lease taken here is also restored after a checkpoint), and works without IPython too,
+minus the notices in cells.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from .agent import Agent, get_agent
+
+
+class GPU:
+    """This kernel's GPUs. Errors from the server raise ``GPUSchedError`` (its message says
+    what to do); bad arguments raise ``ValueError``."""
+
+    def __init__(self, agent: Agent | None = None):
+        self._agent = agent
+
+    @property
+    def agent(self) -> Agent:
+        return self._agent if self._agent is not None else get_agent()
+
+    def acquire(
+        self,
+        count: int | None = None,
+        memory: int | str | None = None,
+        mode: str | None = None,
+        wait: float | str | bool | None = None,
+        priority: int | None = None,
+    ) -> dict:
+        """Ask for ``count`` GPUs and make them this kernel's CUDA devices.
+
+        Args:
+            count: how many GPUs (default: the kernelspec's, else 1).
+            memory: memory per GPU, ``"16GiB"`` or bytes (default: a whole GPU, or the
+                kernelspec's).
+            mode: ``"exclusive"`` or ``"shared"`` (default: the kernelspec's).
+            wait: ``None`` waits without a limit (showing the queue position), ``0`` or
+                ``False`` returns at once (a pending lease keeps its place in the queue),
+                seconds or ``"10m"`` waits that long and then withdraws the request.
+            priority: a priority among this user's own claims.
+
+        Returns:
+            The lease as a dict (``state``, ``devices``, ``position``, ...).
+        """
+        return self.agent.acquire(count, memory=memory, mode=mode, wait=wait, priority=priority)
+
+    def release(self) -> dict | None:
+        """Give this kernel's GPUs back now; returns the released lease (``None``: none held)."""
+        return self.agent.release()
+
+    def keep(self, duration: float | str = "30m") -> dict:
+        """No idle reclaim of this kernel's lease for ``duration`` (``"30m"``, seconds; 0 stops)."""
+        return self.agent.keep(duration)
+
+    def status(self) -> dict:
+        """The scheduler's status: ``devices``, ``leases``, ``queue``, ``policy``, ... plus
+        ``kernel_id`` and this kernel's ``lease`` (``None`` when it holds none)."""
+        return self.agent.status()
+
+    def panel(self, interval: float = 2.0) -> Any:
+        """The live status panel (an ipywidgets box); display it or leave it as a cell's value."""
+        return self.agent.panel(interval=interval)
+
+    @contextlib.contextmanager
+    def lease(
+        self,
+        count: int | None = None,
+        memory: int | str | None = None,
+        mode: str | None = None,
+        wait: float | str | bool | None = None,
+        priority: int | None = None,
+    ) -> Iterator[dict]:
+        """``with gpu.lease(1): ...``: acquire on entry, release on exit.
+
+        A lease the kernel already held before the block is left as it was.
+        """
+        before = self.agent.refresh()
+        held = bool(before and before.get("state") in ("active", "idle", "reclaiming", "suspended"))
+        lease = self.acquire(count, memory=memory, mode=mode, wait=wait, priority=priority)
+        if held and before.get("id") == lease.get("id"):
+            yield lease
+            return
+        try:
+            yield lease
+        finally:
+            self.agent.release(quiet=True)
+
+    def __repr__(self) -> str:
+        from .agent import existing_agent
+
+        agent = self._agent or existing_agent()
+        lease = agent.lease if agent is not None else None
+        if lease is None:
+            return "<gpu: run gpu.status() or %gpu for this kernel's GPUs>"
+        from . import render
+
+        return f"<gpu: {render.lease_line(lease, agent.clock())}>"
+
+
+gpu = GPU()

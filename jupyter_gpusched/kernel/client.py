@@ -1,0 +1,344 @@
+"""A small HTTP client for the server's ``api/gpusched`` REST API, used from inside a kernel.
+
+Only the standard library: the kernel must not import tornado or jupyter_server. Every request
+has a timeout, bypasses proxies (the server is the kernel's own Jupyter server) and turns any
+failure into :class:`GPUSchedError`, whose message is meant for a person.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import ssl
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Mapping
+from typing import Any
+
+from .._version import __version__
+
+#: Seconds a plain request may take before the client gives up.
+DEFAULT_TIMEOUT = 10.0
+#: The server long-polls a claim for at most this many seconds.
+MAX_LONG_POLL = 30.0
+
+TOKEN_HEADER = "X-GPUSched-Token"
+
+ENV_URL = "JUPYTER_GPUSCHED_URL"
+ENV_TOKEN = "JUPYTER_GPUSCHED_TOKEN"
+ENV_KERNEL_ID = "JUPYTER_GPUSCHED_KERNEL_ID"
+
+
+class GPUSchedError(Exception):
+    """A request to the GPU scheduler failed; ``message`` says what happened and what to do.
+
+    ``status`` is the HTTP status (``None`` when the server could not be reached) and
+    ``reason`` the server's short reason, when it gave one.
+    """
+
+    def __init__(self, message: str, status: int | None = None, reason: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return self.message
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython shows this instead of a traceback: a user needs the message, not our stack.
+        return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self.message}"]
+
+
+class NoServerError(GPUSchedError):
+    """No Jupyter server with the GPU scheduler extension could be found for this kernel."""
+
+
+def _is_loopback(host: str | None) -> bool:
+    return host in ("localhost", "127.0.0.1", "::1", "[::1]") or bool(host and host.startswith("127."))
+
+
+class Client:
+    """Talks to ``<base_url>api/gpusched/...`` on behalf of one kernel.
+
+    Args:
+        base_url: the server's URL including its base_url path, e.g. ``http://127.0.0.1:8888/``.
+        kernel_token: the per-kernel token (sent as ``X-GPUSched-Token``).
+        server_token: a Jupyter server token (sent as ``Authorization: token ...``), used when
+            the kernel was not started by the provisioner.
+        kernel_id: the id of the kernel this client speaks for.
+        timeout: seconds for a request without long-polling.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        kernel_token: str | None = None,
+        server_token: str | None = None,
+        kernel_id: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+    ):
+        if not base_url.endswith("/"):
+            base_url += "/"
+        self.base_url = base_url
+        self.kernel_id = kernel_id
+        self.timeout = timeout
+        self._headers = {
+            "Accept": "application/json",
+            "User-Agent": f"jupyter-gpusched-kernel/{__version__}",
+        }
+        if kernel_token:
+            self._headers[TOKEN_HEADER] = kernel_token
+        elif server_token:
+            self._headers["Authorization"] = f"token {server_token}"
+        handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]
+        parsed = urllib.parse.urlsplit(base_url)
+        if parsed.scheme == "https" and _is_loopback(parsed.hostname):
+            # A local server with a self-signed certificate is the common case; the traffic never
+            # leaves the host, so the certificate is not checked there.
+            context = ssl.create_default_context()
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+            handlers.append(urllib.request.HTTPSHandler(context=context))
+        self._opener = urllib.request.build_opener(*handlers)
+
+    def __repr__(self) -> str:
+        return f"Client({self.base_url!r}, kernel_id={self.kernel_id!r})"
+
+    # -- construction ------------------------------------------------------------------------
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] | None = None) -> Client | None:
+        """The client the kernel provisioner configured, or ``None`` if it set nothing."""
+        env = os.environ if environ is None else environ
+        url = env.get(ENV_URL, "").strip()
+        token = env.get(ENV_TOKEN, "").strip()
+        kernel_id = env.get(ENV_KERNEL_ID, "").strip()
+        if not (url and token and kernel_id):
+            return None
+        return cls(url, kernel_token=token, kernel_id=kernel_id)
+
+    @classmethod
+    def discover(
+        cls,
+        kernel_id: str | None = None,
+        runtime_dir: str | None = None,
+        timeout: float = 3.0,
+    ) -> Client:
+        """Find the running Jupyter server of this kernel from its ``jpserver-*.json`` files.
+
+        Prefers the server that knows ``kernel_id``; among those, one that answers on
+        ``api/gpusched/status``. Raises :class:`NoServerError` with a plain explanation when
+        there is none.
+        """
+        if runtime_dir is None:
+            from jupyter_core.paths import jupyter_runtime_dir
+
+            runtime_dir = jupyter_runtime_dir()
+        servers = _running_servers(runtime_dir)
+        if not servers:
+            raise NoServerError(
+                f"No running Jupyter server was found (no jpserver-*.json in {runtime_dir}), so no "
+                "server with the GPU scheduler extension either. Start this kernel from "
+                "JupyterLab or Jupyter Server with jupyter_gpusched enabled."
+            )
+        without_extension: list[str] = []
+        fallback: Client | None = None
+        for info in servers:
+            client = cls(
+                info["url"],
+                server_token=info.get("token") or None,
+                kernel_id=kernel_id,
+                timeout=timeout,
+            )
+            if kernel_id:
+                try:
+                    owns = client.request("GET", f"api/kernels/{urllib.parse.quote(kernel_id)}")[0] == 200
+                except GPUSchedError:
+                    owns = False
+            else:
+                owns = False
+            try:
+                client.request("GET", "api/gpusched/status")
+            except GPUSchedError as err:
+                if err.status in (404, None):
+                    without_extension.append(client.base_url)
+                    continue
+                # 403 or 503: the extension is there, the answer will say more later on.
+            client.timeout = DEFAULT_TIMEOUT
+            if owns:
+                return client
+            fallback = fallback or client
+        if fallback is not None:
+            # No server knows the kernel (or its id is unknown): the newest server with the
+            # extension is the best guess, and it says so if it does not know the kernel.
+            return fallback
+        raise NoServerError(
+            "No Jupyter server with the GPU scheduler extension was found (checked "
+            + ", ".join(without_extension)
+            + "). Enable it with `jupyter server extension enable jupyter_gpusched` and restart "
+            "the server."
+        )
+
+    # -- transport ---------------------------------------------------------------------------
+    def url(self, path: str, query: Mapping[str, Any] | None = None) -> str:
+        url = self.base_url + path.lstrip("/")
+        if query:
+            url += "?" + urllib.parse.urlencode({k: v for k, v in query.items() if v is not None})
+        return url
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None = None,
+        *,
+        query: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> tuple[int, Any]:
+        """One request; returns ``(status, decoded JSON or None)`` or raises GPUSchedError."""
+        url = self.url(path, query)
+        data = None
+        headers = dict(self._headers)
+        if body is not None:
+            data = json.dumps(body).encode()
+            headers["Content-Type"] = "application/json"
+        req = urllib.request.Request(url, data=data, headers=headers, method=method)
+        limit = self.timeout if timeout is None else timeout
+        try:
+            with self._opener.open(req, timeout=limit) as resp:
+                status = resp.status
+                raw = resp.read()
+        except urllib.error.HTTPError as err:
+            with err:
+                raw = err.read()
+            raise self._error(err.code, err.reason, raw, path) from None
+        except TimeoutError:
+            raise GPUSchedError(
+                f"The GPU scheduler at {self.base_url} did not answer within {limit:.0f} s."
+            ) from None
+        except (urllib.error.URLError, OSError) as err:
+            why = getattr(err, "reason", err)
+            raise GPUSchedError(
+                f"Cannot reach the GPU scheduler at {self.base_url} ({why}). Is the Jupyter server "
+                "still running?"
+            ) from None
+        if not raw:
+            return status, None
+        try:
+            return status, json.loads(raw)
+        except ValueError:
+            raise GPUSchedError(
+                f"The GPU scheduler at {self.base_url} answered {status} with something that is not JSON."
+            ) from None
+
+    def _error(self, status: int, http_reason: str, raw: bytes, path: str) -> GPUSchedError:
+        message = reason = None
+        try:
+            payload = json.loads(raw) if raw else None
+        except ValueError:
+            payload = None
+        if isinstance(payload, dict):
+            message = payload.get("message") or None
+            reason = payload.get("reason") or None
+        if message:
+            return GPUSchedError(str(message), status, reason)
+        if status == 404 and path.startswith("api/gpusched"):
+            return GPUSchedError(
+                f"The Jupyter server at {self.base_url} does not run the GPU scheduler (no "
+                f"{path.split('?')[0]}). Enable the jupyter_gpusched server extension.",
+                status,
+                reason,
+            )
+        if status in (401, 403):
+            return GPUSchedError(
+                f"The GPU scheduler at {self.base_url} refused this kernel's credentials ({status} {http_reason}).",
+                status,
+                reason,
+            )
+        return GPUSchedError(
+            f"The GPU scheduler at {self.base_url} answered {status} {http_reason}.", status, reason
+        )
+
+    # -- the API ----------------------------------------------------------------------------
+    def status(self) -> dict:
+        """``GET api/gpusched/status``."""
+        return self.request("GET", "api/gpusched/status")[1]
+
+    def leases(self, kernel_id: str | None = None) -> list[dict]:
+        """``GET api/gpusched/leases[?kernel_id=]``."""
+        result = self.request("GET", "api/gpusched/leases", query={"kernel_id": kernel_id})[1]
+        return list(result or [])
+
+    def lease(self, lease_id: str) -> dict:
+        """``GET api/gpusched/leases/{id}``."""
+        return self.request("GET", f"api/gpusched/leases/{urllib.parse.quote(lease_id)}")[1]
+
+    def claim(
+        self,
+        count: int,
+        *,
+        memory: int | None = None,
+        mode: str | None = None,
+        wait: float | None = None,
+        priority: int | None = None,
+    ) -> tuple[int, dict]:
+        """``POST api/gpusched/leases``: 201 granted (or resumed), 202 pending, 200 already held."""
+        if not self.kernel_id:
+            raise GPUSchedError("This kernel's id is unknown, so it cannot ask for a GPU.")
+        body: dict[str, Any] = {"kernel_id": self.kernel_id, "count": count}
+        if memory is not None:
+            body["memory"] = memory
+        if mode is not None:
+            body["mode"] = mode
+        if wait is not None:
+            body["wait"] = max(0.0, float(wait))
+        if priority is not None:
+            body["priority"] = priority
+        poll = min(float(wait or 0), MAX_LONG_POLL)
+        return self.request("POST", "api/gpusched/leases", body, timeout=self.timeout + poll)
+
+    def release(self, lease_id: str) -> None:
+        """``DELETE api/gpusched/leases/{id}`` (204)."""
+        self.request("DELETE", f"api/gpusched/leases/{urllib.parse.quote(lease_id)}")
+
+    def keep(self, lease_id: str, seconds: float) -> dict:
+        """``POST api/gpusched/leases/{id}/keep`` with ``{"seconds": N}``."""
+        return self.request(
+            "POST", f"api/gpusched/leases/{urllib.parse.quote(lease_id)}/keep", {"seconds": seconds}
+        )[1]
+
+
+def _running_servers(runtime_dir: str) -> list[dict]:
+    """The ``jpserver-*.json`` files of live servers, newest first (as ``list_running_servers``)."""
+    found: list[tuple[float, dict]] = []
+    for path in glob.glob(os.path.join(runtime_dir, "jpserver-*.json")):
+        try:
+            with open(path, encoding="utf-8") as fh:
+                info = json.load(fh)
+            mtime = os.path.getmtime(path)
+        except (OSError, ValueError):
+            continue
+        if not isinstance(info, dict) or not info.get("url"):
+            continue
+        if info.get("sock"):
+            continue  # a Unix socket server: urllib cannot speak to it
+        if not _pid_alive(info.get("pid")):
+            continue
+        found.append((mtime, info))
+    found.sort(key=lambda pair: pair[0], reverse=True)
+    return [info for _, info in found]
+
+
+def _pid_alive(pid: object) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return True  # no pid recorded: let the HTTP check decide
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

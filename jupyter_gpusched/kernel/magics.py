@@ -1,0 +1,123 @@
+"""``%gpu``: status, acquire, release, keep and the live panel, from any cell.
+
+Every failure is one line: a usage mistake is a ``UsageError``; a refusal from the server is a
+``GPUSchedError``, which IPython shows as its message alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_magic, magics_class
+
+from . import render
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .agent import Agent
+
+USAGE = """\
+%gpu                      this kernel's lease, the host's GPUs and the queue
+%gpu status [--all]       the same; --all adds every lease, the queue and stray GPU processes
+%gpu acquire [N] [--memory 16GiB] [--shared | --exclusive] [--wait 10m | --no-wait]
+                          ask for N GPUs (default: the kernelspec's); waits with a live queue position
+%gpu release              give this kernel's GPUs back now (or withdraw a waiting request)
+%gpu keep 30m             no idle reclaim for 30 minutes (0 to stop keeping)
+%gpu panel                the live status panel (ipywidgets)"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises UsageError instead of printing and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message}\n{self.format_usage().strip()}")
+
+    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
+        raise UsageError(message or USAGE)
+
+
+def _parsers() -> dict[str, _Parser]:
+    status = _Parser(prog="%gpu status", add_help=False)
+    status.add_argument("--all", action="store_true")
+
+    acquire = _Parser(prog="%gpu acquire", add_help=False)
+    acquire.add_argument("count", nargs="?", type=int)
+    acquire.add_argument("--memory", "-m")
+    modes = acquire.add_mutually_exclusive_group()
+    modes.add_argument("--shared", dest="mode", action="store_const", const="shared")
+    modes.add_argument("--exclusive", dest="mode", action="store_const", const="exclusive")
+    waits = acquire.add_mutually_exclusive_group()
+    waits.add_argument("--wait", "-w", metavar="DURATION")
+    waits.add_argument("--no-wait", dest="no_wait", action="store_true")
+    acquire.add_argument("--priority", type=int)
+
+    release = _Parser(prog="%gpu release", add_help=False)
+
+    keep = _Parser(prog="%gpu keep", add_help=False)
+    keep.add_argument("duration", nargs="?", default="30m")
+
+    panel = _Parser(prog="%gpu panel", add_help=False)
+    panel.add_argument("--interval", type=float, default=2.0)
+    return {"status": status, "acquire": acquire, "release": release, "keep": keep, "panel": panel}
+
+
+@magics_class
+class GPUMagics(Magics):
+    """The ``%gpu`` line magic; the work is done by the kernel agent."""
+
+    def __init__(self, shell: Any, agent: Agent):
+        super().__init__(shell)
+        self.agent = agent
+        self._parsers = _parsers()
+
+    @line_magic
+    def gpu(self, line: str = "") -> Any:
+        """GPU scheduling for this kernel. Run ``%gpu help`` for the sub-commands."""
+        try:
+            words = shlex.split(line)
+        except ValueError as err:
+            raise UsageError(f"%gpu: {err}") from None
+        command = words[0] if words else "status"
+        if command in ("help", "-h", "--help"):
+            print(USAGE)
+            return None
+        parser = self._parsers.get(command)
+        if parser is None:
+            raise UsageError(
+                f"%gpu has no sub-command {command!r}: use status, acquire, release, keep or panel "
+                "(`%gpu help` explains them)."
+            )
+        args = parser.parse_args(words[1:])
+        try:
+            return getattr(self, f"_{command}")(args)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+
+    def _status(self, args: argparse.Namespace) -> None:
+        status = self.agent.status()
+        text, html_text = render.status_report(
+            status, status.get("kernel_id"), status.get("lease"), self.agent.clock(), show_all=args.all
+        )
+        self.agent._say(text, html_text)
+
+    def _acquire(self, args: argparse.Namespace) -> None:
+        wait: object = None
+        if args.no_wait:
+            wait = 0
+        elif args.wait is not None:
+            wait = args.wait
+        self.agent.acquire(args.count, memory=args.memory, mode=args.mode, wait=wait, priority=args.priority)
+
+    def _release(self, args: argparse.Namespace) -> None:
+        self.agent.release()
+
+    def _keep(self, args: argparse.Namespace) -> None:
+        duration = "0" if args.duration in ("off", "none", "no") else args.duration
+        self.agent.keep(duration)
+
+    def _panel(self, args: argparse.Namespace) -> None:
+        from IPython.display import display
+
+        display(self.agent.panel(interval=args.interval))

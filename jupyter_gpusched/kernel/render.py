@@ -1,0 +1,330 @@
+"""Text and HTML for what the kernel side shows: leases, the host's GPUs, the queue, notices.
+
+Every function takes the server's JSON (DESIGN section 8) as plain dicts and returns strings, so
+the magics, the Python API, the watcher's notices and the panel all say the same thing the same
+way.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+from collections.abc import Iterable, Mapping
+from datetime import datetime, timezone
+from typing import Any
+
+HOLDING = ("active", "idle", "reclaiming")
+LIVE = (*HOLDING, "pending", "suspended")
+
+_HIGHLIGHT = "background-color: rgba(76, 175, 80, 0.18); font-weight: bold;"
+
+
+# -- units (the core's parsers, imported only when needed to keep the agent's import light) ----
+def parse_memory(value: object) -> int | None:
+    """Bytes from ``16GiB`` (``None``/empty: a whole GPU); ValueError with a message if bad."""
+    from ..core.units import parse_memory as parse
+
+    return parse(value, "memory")
+
+
+def parse_duration(value: object, field: str = "duration") -> float:
+    """Seconds from ``30m``, ``1h30m`` or a number; ValueError with a message if bad."""
+    from ..core.units import parse_duration as parse
+
+    return parse(value, field)
+
+
+def format_bytes(size: float | None) -> str:
+    from ..core.units import format_bytes as fmt
+
+    return fmt(size)
+
+
+def format_duration(seconds: float | None) -> str:
+    """``65`` -> ``1m05s``."""
+    from ..core.units import format_duration as fmt
+
+    return fmt(seconds)
+
+
+def format_idle(seconds: float | None) -> str:
+    """A coarse idle time (``under a minute``, ``5 min``, ``2 h 05 min``) that changes rarely."""
+    if seconds is None:
+        return "-"
+    minutes = int(seconds // 60)
+    if minutes < 1:
+        return "under a minute"
+    if minutes < 60:
+        return f"{minutes} min"
+    return f"{minutes // 60} h {minutes % 60:02d} min"
+
+
+def parse_time(value: object) -> float | None:
+    """Epoch seconds from an ISO 8601 time (``...Z`` or with an offset); ``None`` if absent."""
+    if not isinstance(value, str) or not value:
+        return None
+    text = value.strip()
+    if text.endswith(("Z", "z")):
+        text = text[:-1] + "+00:00"
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return moment.timestamp()
+
+
+# -- leases --------------------------------------------------------------------------------
+def gpu_label(lease: Mapping[str, Any]) -> str:
+    """``GPU 0`` or ``GPUs 0, 1`` (UUIDs when the indices are unknown)."""
+    indices = [i for i in lease.get("device_indices") or [] if i is not None]
+    names = [str(i) for i in indices] or [str(u) for u in lease.get("devices") or []]
+    if not names:
+        count = lease.get("count") or 1
+        return f"{count} GPU{'s' if count != 1 else ''}"
+    return ("GPUs " if len(names) > 1 else "GPU ") + ", ".join(names)
+
+
+def uuid_list(uuids: Iterable[str]) -> str:
+    return ", ".join(uuids) or "no GPU"
+
+
+def claim_label(lease: Mapping[str, Any]) -> str:
+    """``1 GPU, 16.0 GiB, shared``: what a lease asks for."""
+    count = lease.get("count") or 1
+    parts = [f"{count} GPU{'s' if count != 1 else ''}"]
+    if lease.get("memory"):
+        parts.append(f"{format_bytes(lease['memory'])} each")
+    parts.append(str(lease.get("mode") or "exclusive"))
+    return ", ".join(parts)
+
+
+def seconds_until(value: object, now: float) -> float | None:
+    at = parse_time(value)
+    return None if at is None else max(0.0, at - now)
+
+
+def lease_line(lease: Mapping[str, Any] | None, now: float) -> str:
+    """One line on this kernel's lease, for status output and the panel."""
+    if not lease or lease.get("state") == "released":
+        return "This kernel holds no GPU."
+    state = lease.get("state")
+    if state == "pending":
+        position = lease.get("position")
+        where = f"position {position} in the queue" if position else "in the queue"
+        return f"This kernel is waiting for {claim_label(lease)}: {where}."
+    if state == "suspended":
+        return "This kernel's GPU state is checkpointed to host memory; the next cell restores it."
+    text = f"This kernel holds {gpu_label(lease)} ({claim_label(lease)}): {state}"
+    if state == "idle" and lease.get("idle_seconds") is not None:
+        text += f" for {format_idle(lease['idle_seconds'])}"
+    if state == "reclaiming":
+        left = seconds_until(lease.get("reclaim_at"), now)
+        step = lease.get("reclaim_step")
+        if left is not None and left > 0:
+            text += f", taken back in {format_duration(left)}"
+        if step:
+            text += f" ({step})"
+    keep_left = seconds_until(lease.get("keep_until"), now)
+    if keep_left:
+        text += f", kept for {format_duration(keep_left)} more"
+    return text + "."
+
+
+def holder_label(lease: Mapping[str, Any] | None, kernel_id: str | None) -> str:
+    """Who holds a lease: ``this kernel``, ``alice (train.ipynb)``."""
+    if lease is None:
+        return "in use"
+    if kernel_id and lease.get("kernel_id") == kernel_id:
+        return "this kernel"
+    who = str(lease.get("holder") or lease.get("user") or "someone")
+    notebook = lease.get("notebook")
+    if notebook:
+        name = os.path.basename(str(notebook))
+        if name and name not in who:
+            who += f" ({name})"
+    return who
+
+
+def device_holders(
+    device: Mapping[str, Any], leases_by_id: Mapping[str, Mapping[str, Any]], kernel_id: str | None
+) -> tuple[str, bool]:
+    """Who holds ``device`` and whether it is this kernel."""
+    ids = device.get("lease_ids") or []
+    if not ids:
+        return ("free" if device.get("health", "ok") == "ok" else str(device.get("health"))), False
+    mine = False
+    names: list[str] = []
+    for lease_id in ids:
+        lease = leases_by_id.get(lease_id)
+        if lease is not None and kernel_id and lease.get("kernel_id") == kernel_id:
+            mine = True
+        label = holder_label(lease, kernel_id)
+        if label not in names:
+            names.append(label)
+    return ", ".join(names), mine
+
+
+def my_lease(leases: Iterable[Mapping[str, Any]], kernel_id: str | None) -> dict | None:
+    """This kernel's live lease among ``leases``, if any."""
+    for lease in leases or []:
+        if lease.get("kernel_id") == kernel_id and lease.get("state") in LIVE:
+            return dict(lease)
+    return None
+
+
+def percent(value: object) -> str:
+    return "-" if value is None else f"{float(value):.0f}%"
+
+
+def memory_label(device: Mapping[str, Any]) -> str:
+    used, total = device.get("memory_used"), device.get("memory_total")
+    if total is None:
+        return "-"
+    if used is None:
+        return f"? / {format_bytes(total)}"
+    return f"{format_bytes(used)} / {format_bytes(total)}"
+
+
+# -- %gpu status ----------------------------------------------------------------------------
+def status_report(
+    status: Mapping[str, Any],
+    kernel_id: str | None,
+    lease: Mapping[str, Any] | None,
+    now: float,
+    show_all: bool = False,
+) -> tuple[str, str]:
+    """``(text, html)`` for ``%gpu status``: this kernel's lease, the GPUs, the queue."""
+    leases = list(status.get("leases") or [])
+    by_id = {le.get("id"): le for le in leases}
+    if lease is None:
+        lease = my_lease(leases, kernel_id)
+    queue = list(status.get("queue") or [])
+    text: list[str] = [lease_line(lease, now)]
+    html_parts: list[str] = [f"<p>{html.escape(text[0])}</p>"]
+    mine_in_queue = next((q for q in queue if kernel_id and q.get("kernel_id") == kernel_id), None)
+    if mine_in_queue is not None:
+        line = f"Queue: position {mine_in_queue.get('position')} of {len(queue)}."
+    elif queue:
+        line = f"Queue: {len(queue)} waiting."
+    else:
+        line = "Queue: nobody is waiting."
+    text.append(line)
+    html_parts.append(f"<p>{html.escape(line)}</p>")
+
+    devices = sorted(status.get("devices") or [], key=lambda d: (d.get("index") is None, d.get("index")))
+    header = ("GPU", "Name", "Util", "Memory", "Health", "Held by")
+    rows: list[tuple[tuple[str, ...], bool]] = []
+    for dev in devices:
+        holders, mine = device_holders(dev, by_id, kernel_id)
+        rows.append(
+            (
+                (
+                    str(dev.get("index", "?")),
+                    str(dev.get("name") or "GPU"),
+                    percent(dev.get("utilization")),
+                    memory_label(dev),
+                    str(dev.get("health") or "ok"),
+                    holders,
+                ),
+                mine,
+            )
+        )
+    if rows:
+        text.append("")
+        text.extend(_text_table(header, [r for r, _ in rows]))
+        html_parts.append(_html_table(header, rows))
+    else:
+        line = "This host has no GPUs to schedule."
+        text.append(line)
+        html_parts.append(f"<p>{html.escape(line)}</p>")
+
+    if show_all:
+        lease_header = ("Lease", "Holder", "GPUs", "Asks for", "State", "Idle", "Reason")
+        lease_rows = []
+        for le in leases:
+            if le.get("state") == "released":
+                continue
+            lease_rows.append(
+                (
+                    (
+                        str(le.get("id")),
+                        holder_label(le, kernel_id),
+                        gpu_label(le) if le.get("devices") else "-",
+                        claim_label(le),
+                        str(le.get("state")),
+                        format_idle(le.get("idle_seconds")) if le.get("state") == "idle" else "-",
+                        str(le.get("reason") or ""),
+                    ),
+                    bool(kernel_id and le.get("kernel_id") == kernel_id),
+                )
+            )
+        text.append("")
+        html_parts.append("<h4>Leases</h4>")
+        if lease_rows:
+            text.extend(_text_table(lease_header, [r for r, _ in lease_rows]))
+            html_parts.append(_html_table(lease_header, lease_rows))
+        else:
+            text.append("No leases.")
+            html_parts.append("<p>No leases.</p>")
+        if queue:
+            q_header = ("Position", "User", "Kernel", "GPUs")
+            q_rows = [
+                (
+                    (
+                        str(q.get("position")),
+                        str(q.get("user")),
+                        str(q.get("kernel_id")),
+                        str(q.get("count")),
+                    ),
+                    bool(kernel_id and q.get("kernel_id") == kernel_id),
+                )
+                for q in queue
+            ]
+            text.append("")
+            text.extend(_text_table(q_header, [r for r, _ in q_rows]))
+            html_parts.append("<h4>Queue</h4>" + _html_table(q_header, q_rows))
+        strays = [
+            (dev.get("index"), proc)
+            for dev in devices
+            for proc in dev.get("processes") or []
+            if not proc.get("kernel_id")
+        ]
+        if strays:
+            text.append("")
+            text.append("GPU processes outside any lease:")
+            for index, proc in strays:
+                text.append(f"  GPU {index}: pid {proc.get('pid')} ({format_bytes(proc.get('memory_used'))})")
+        meta = ", ".join(
+            f"{key} {status.get(key)}" for key in ("mode", "backend", "policy") if status.get(key)
+        )
+        checkpoint = status.get("checkpoint") or {}
+        if checkpoint:
+            meta += "; checkpoint " + ("available" if checkpoint.get("available") else "unavailable")
+            if checkpoint.get("reason"):
+                meta += f" ({checkpoint['reason']})"
+        if meta:
+            text.append("")
+            text.append(f"Scheduler: {meta}.")
+            html_parts.append(f"<p><small>Scheduler: {html.escape(meta)}.</small></p>")
+    return "\n".join(text), "\n".join(html_parts)
+
+
+def _text_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(header[i]), *(len(r[i]) for r in rows)) for i in range(len(header))]
+
+    def line(cells: tuple[str, ...]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+    return [line(header), *(line(r) for r in rows)]
+
+
+def _html_table(header: tuple[str, ...], rows: list[tuple[tuple[str, ...], bool]]) -> str:
+    head = "".join(f"<th style='text-align:left'>{html.escape(h)}</th>" for h in header)
+    body = []
+    for cells, mine in rows:
+        style = f" style='{_HIGHLIGHT}'" if mine else ""
+        tds = "".join(f"<td style='text-align:left'>{html.escape(c)}</td>" for c in cells)
+        body.append(f"<tr{style}>{tds}</tr>")
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
