@@ -84,6 +84,8 @@ class ArbiterEvent:
     lease: Lease | None = None
     device: DeviceSnapshot | None = None
     notice: Mapping[str, Any] | None = None
+    #: The event already shaped for this server's user (hub mode: the broker shapes it).
+    payload: Mapping[str, Any] | None = None
 
 
 class KernelHost(Protocol):

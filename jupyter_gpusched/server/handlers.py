@@ -251,6 +251,9 @@ class EventsHandler(JupyterHandler, websocket.WebSocketHandler):
             self.arbiter.unsubscribe(self.on_event)
 
     def on_event(self, event: ArbiterEvent) -> None:
+        if event.payload is not None:
+            self._send(dict(event.payload))
+            return
         render = getattr(self.arbiter, "render_lease", None)
         if event.type == "lease" and event.lease is not None and render is not None:
             self._send({"type": "lease", "lease": render(event.lease, self.who)})
