@@ -242,6 +242,8 @@ class LocalArbiter(Arbiter):
         self._task: asyncio.Task | None = None
         self._tick_lock = asyncio.Lock()
         self._background: set[asyncio.Task] = set()
+        self._tree_cache: dict[str, set[int]] = {}
+        self._kernel_gaps: dict[str, tuple[float, ...]] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
     @property
@@ -294,15 +296,22 @@ class LocalArbiter(Arbiter):
                 log.warning("GPU %s (%s) was lost", device.index, device.uuid)
         return snap
 
-    def _observe(self, snap: Iterable[DeviceSnapshot]) -> dict[str, KernelActivity]:
+    def _trees(self) -> dict[str, set[int]]:
+        batch = getattr(self.kernels, "process_trees", None)
+        if batch is not None:
+            return batch()
+        return {kid: self.kernels.process_tree(kid) for kid in self.kernels.activity()}
+
+    def _observe(self, snap: Iterable[DeviceSnapshot], trees: Mapping[str, set[int]]) -> dict[str, KernelActivity]:
         """Kernel activity from the kernel host, with GPU use mapped through process trees."""
         if self.kernels is None:
             return {}
         now = self.clock()
         states = self.kernels.activity()
+        self._tree_cache = dict(trees)
         pid_kernel: dict[int, str] = {}
         for kernel_id in states:
-            for pid in self.kernels.process_tree(kernel_id):
+            for pid in trees.get(kernel_id, ()):
                 pid_kernel[pid] = kernel_id
         memory: dict[str, int] = {}
         util: dict[str, float | None] = {}
@@ -341,10 +350,18 @@ class LocalArbiter(Arbiter):
             refresh = getattr(self.kernels, "refresh_notebooks", None)
             if refresh is not None:
                 await refresh()
-            activity = self._observe(snap)
+            trees = await asyncio.to_thread(self._trees) if self.kernels is not None else {}
+            activity = self._observe(snap, trees)
             plan, before, notices, _ = await asyncio.to_thread(self._plan_tx, activity, None)
             await self._after_plan(plan, before, notices)
             await self._finish_cache_requests()
+            return plan
+
+    async def replan(self) -> core.Plan:
+        """A scheduling pass on what the last tick saw (after a release, say): no device scan."""
+        async with self._tick_lock:
+            plan, before, notices, _ = await asyncio.to_thread(self._plan_tx, self._activity, None)
+            await self._after_plan(plan, before, notices)
             return plan
 
     def _devices(self, drained: Mapping[str, str]) -> list[core.Device]:
@@ -364,6 +381,7 @@ class LocalArbiter(Arbiter):
             leases = tx.leases()
             before = {lease.id: lease for lease in leases}
             leases = self._reap(tx, leases, now, devices, notices)
+            leases = self._resume_running(tx, leases, activity, now)
             outcome = change(tx, leases, devices) if change is not None else None
             if outcome is not None:
                 leases = tx.leases()
@@ -395,6 +413,7 @@ class LocalArbiter(Arbiter):
             if gone is not None:
                 done = core.released(lease, now, f"released: {gone}")
                 tx.put(done)
+                self._remember(done)
                 log.info("lease %s of kernel %s released: %s", lease.id, lease.kernel_id, gone)
                 self.publish(ArbiterEvent("lease", lease=done))
                 continue
@@ -408,6 +427,18 @@ class LocalArbiter(Arbiter):
                     {"kind": "lost", "lease_id": lease.id, "kernel_id": lease.kernel_id, "message": done.reason}
                 )
                 continue
+            out.append(lease)
+        return out
+
+    def _resume_running(self, tx, leases: list[Lease], activity: Mapping[str, KernelActivity], now: float) -> list[Lease]:
+        """A suspended kernel that runs code anyway (a cell the agent did not see) is restored."""
+        out = []
+        for lease in leases:
+            seen = activity.get(lease.kernel_id)
+            if lease.state == LeaseState.SUSPENDED and seen is not None and seen.busy:
+                lease = core.request_resume(lease, now)
+                tx.put(lease)
+                log.info("lease %s of kernel %s: the kernel runs while suspended; restoring", lease.id, lease.kernel_id)
             out.append(lease)
         return out
 
@@ -518,6 +549,7 @@ class LocalArbiter(Arbiter):
                 return new
 
         new = await asyncio.to_thread(run)
+        self._remember(new)
         if new is not None:
             self.state.leases = tuple(new if le.id == new.id else le for le in self.state.leases if new.live or le.id != new.id)
             self.publish(ArbiterEvent("lease", lease=new))
@@ -525,7 +557,9 @@ class LocalArbiter(Arbiter):
         return new
 
     def _gpu_pids(self, lease: Lease) -> list[int]:
-        tree = self.kernels.process_tree(lease.kernel_id) if self.kernels else set()
+        tree = self._tree_cache.get(lease.kernel_id) or (
+            self.kernels.process_tree(lease.kernel_id) if self.kernels else set()
+        )
         pids = []
         for device in self.state.snapshot:
             if device.uuid in lease.devices:
@@ -828,10 +862,11 @@ class LocalArbiter(Arbiter):
 
     def _history(self, kernel_id: str) -> tuple[float, ...]:
         """Idle spells of the kernel's earlier lease, so that learning survives a release."""
-        for lease in reversed(self.ledger.leases(live_only=False)[-200:]):
-            if lease.kernel_id == kernel_id and lease.gaps:
-                return lease.gaps
-        return ()
+        return self._kernel_gaps.get(kernel_id, ())
+
+    def _remember(self, lease: Lease | None) -> None:
+        if lease is not None and lease.gaps and not lease.live:
+            self._kernel_gaps[lease.kernel_id] = lease.gaps
 
     async def _answer(self, who: Principal, lease_id: str, how: str, wait: float) -> ClaimResult:
         wait = max(0.0, min(float(wait or 0.0), MAX_WAIT))
@@ -875,7 +910,7 @@ class LocalArbiter(Arbiter):
             log.info("lease %s of kernel %s %s", lease.id, lease.kernel_id, why)
             if who.kernel_id is None and lease.user != who.user:
                 self.publish(ArbiterEvent("notice", notice=_notice("released", done, f"Your GPU lease was {why}")))
-        await self.tick()
+        await self.replan()
 
     async def keep(self, who: Principal, lease_id: str, seconds: float) -> dict:
         lease = self._own(who, lease_id)
@@ -905,12 +940,12 @@ class LocalArbiter(Arbiter):
 
         await asyncio.to_thread(run)
         log.info("GPU %s (%s) %s by %s", device.index, uuid, "drained" if drained else "undrained", who.user)
-        await self.tick()
+        await self.replan()
         return self.render_device(device, who)
 
     async def kernel_started(self, kernel_id: str, user: str, pid: int | None) -> None:
         """A kernel process now runs: hand its leases to it (they survive this server)."""
-        await self.tick()
+        await self.replan()
 
     async def kernel_ended(self, kernel_id: str, reason: str) -> None:
         leases = [le for le in self.state.leases if le.kernel_id == kernel_id and le.live]

@@ -18,6 +18,24 @@ from jupyter_client.session import Session
 log = logging.getLogger("jupyter_gpusched")
 
 
+def process_trees(roots: Mapping[str, int]) -> dict[str, set[int]]:
+    """Descendants of each root pid (itself included), from a single pass over all processes."""
+    children: dict[int, list[int]] = {}
+    for proc in psutil.process_iter(["pid", "ppid"]):
+        info = proc.info
+        children.setdefault(info["ppid"], []).append(info["pid"])
+    out = {}
+    for key, root in roots.items():
+        tree, stack = {root}, [root]
+        while stack:
+            for child in children.get(stack.pop(), ()):
+                if child not in tree:
+                    tree.add(child)
+                    stack.append(child)
+        out[key] = tree
+    return out
+
+
 class _Watch:
     def __init__(self) -> None:
         self.executing = False
@@ -128,9 +146,11 @@ class ServerKernels:
         return None
 
     def kernel_pid(self, kernel_id: str) -> int | None:
+        if kernel_id not in self.km:
+            return None  # not registered yet (being launched) or gone
         try:
             kernel = self.km.get_kernel(kernel_id)
-        except KeyError:
+        except Exception:  # noqa: BLE001 - jupyter_server raises HTTPError(404) for unknown ids
             return None
         provisioner = getattr(kernel, "provisioner", None)
         pid = getattr(provisioner, "pid", None)
@@ -143,11 +163,16 @@ class ServerKernels:
         pid = self.kernel_pid(kernel_id)
         if pid is None:
             return set()
-        try:
-            proc = psutil.Process(pid)
-            return {pid} | {child.pid for child in proc.children(recursive=True)}
-        except psutil.Error:
-            return {pid}
+        return process_trees({kernel_id: pid}).get(kernel_id, {pid})
+
+    def process_trees(self) -> dict[str, set[int]]:
+        """Every kernel's process tree, from one scan of the process table."""
+        pids = {}
+        for kernel_id in list(self.km.list_kernel_ids()):
+            pid = self.kernel_pid(kernel_id)
+            if pid is not None:
+                pids[kernel_id] = pid
+        return process_trees(pids)
 
     def notebook(self, kernel_id: str) -> str | None:
         return self._notebooks.get(kernel_id)
