@@ -459,6 +459,9 @@ class LocalArbiter(Arbiter):
             except Exception:  # noqa: BLE001 - the kernel may be exiting right now
                 continue
             tx.set_owner(lease.id, lease.kernel_id, self.server_id, process)
+            adopted = getattr(self.kernels, "adopted", None)
+            if adopted is not None:
+                adopted(lease.kernel_id)
 
     async def _after_plan(self, plan: core.Plan, before: Mapping[str, Lease], notices: list[dict]) -> None:
         now = self.clock()

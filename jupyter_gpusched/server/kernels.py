@@ -69,8 +69,8 @@ class ServerKernels:
         self._restarting.add(kernel_id)
 
     def started(self, kernel_id: str) -> None:
+        # A restarted kernel stays "restarting" until its new process owns its lease (adopted).
         self._launching.discard(kernel_id)
-        self._restarting.discard(kernel_id)
         watch = self._watches.pop(kernel_id, None)
         if watch is not None and watch.stream is not None:
             try:
@@ -80,6 +80,10 @@ class ServerKernels:
 
     def restarting(self, kernel_id: str) -> bool:
         return kernel_id in self._restarting
+
+    def adopted(self, kernel_id: str) -> None:
+        """The kernel's new process owns its lease now."""
+        self._restarting.discard(kernel_id)
 
     def ended(self, kernel_id: str) -> None:
         self._launching.discard(kernel_id)
