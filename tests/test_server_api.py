@@ -202,3 +202,24 @@ async def test_no_inventory_is_503(jp_fetch, sched_config):
     kernel_id = await _kernel(jp_fetch)
     code, err = await api(jp_fetch, "leases", method="POST", body={"kernel_id": kernel_id})
     assert code == 503 and "simulated" in err["message"]
+
+
+async def test_prometheus_metrics(jp_fetch, arbiter):
+    k1, k2, k3 = [await _kernel(jp_fetch) for _ in range(3)]
+    for kernel_id in (k1, k2, k3):
+        await api(jp_fetch, "leases", method="POST", body={"kernel_id": kernel_id})
+    r = await jp_fetch("metrics", method="GET")
+    text = r.body.decode()
+
+    def value(name: str) -> float:
+        for line in text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError(f"{name} not in /metrics")
+
+    assert value("gpusched_gpus_held") == 2
+    assert value("gpusched_gpus_free") == 0
+    assert value("gpusched_queue_length") == 1
+    assert value('gpusched_leases{state="active"}') == 2
+    assert value('gpusched_leases{state="pending"}') == 1
+    assert "gpusched_wait_seconds_bucket" in text
