@@ -10,7 +10,7 @@ never chosen.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Mapping, Iterable, Sequence
 
 from .model import EXCLUSIVE, Device, Lease
 
@@ -42,6 +42,34 @@ def occupancy(devices: Sequence[Device], leases: Iterable[Lease]) -> dict[str, O
                 excl[uuid] = True
             promised[uuid] += lease.promised_memory(device)
     return {u: Occupancy(excl[u], promised[u], holders[u]) for u in by_uuid}
+
+
+def occupy(occ: dict[str, Occupancy], lease: Lease, devices: Mapping[str, Device]) -> None:
+    """Add a lease just placed to an occupancy map, in place."""
+    for uuid in lease.devices:
+        old = occ.get(uuid)
+        device = devices.get(uuid)
+        if old is None or device is None:
+            continue
+        occ[uuid] = Occupancy(
+            old.exclusive or lease.mode == EXCLUSIVE,
+            old.promised + lease.promised_memory(device),
+            old.holders + 1,
+        )
+
+
+def vacate(occ: dict[str, Occupancy], lease: Lease, devices: Mapping[str, Device]) -> None:
+    """Take a lease that is going away out of an occupancy map, in place."""
+    for uuid in lease.devices:
+        old = occ.get(uuid)
+        device = devices.get(uuid)
+        if old is None or device is None:
+            continue
+        occ[uuid] = Occupancy(
+            old.exclusive and lease.mode != EXCLUSIVE,
+            max(0, old.promised - lease.promised_memory(device)),
+            max(0, old.holders - 1),
+        )
 
 
 def schedulable(devices: Sequence[Device]) -> list[Device]:
@@ -86,15 +114,22 @@ def place(
     *,
     only: Iterable[str] | None = None,
     same_model_as: Sequence[Device] = (),
+    occ: Mapping[str, Occupancy] | None = None,
+    pool: Sequence[Device] | None = None,
 ) -> tuple[tuple[str, ...], str] | None:
     """Choose devices for ``lease`` or return ``None`` if it does not fit now.
 
     ``only`` restricts the choice to these uuids (a restore that must go back home);
     ``same_model_as`` to devices of the same model as those (a restore that may move).
-    Returns the chosen uuids and a reason.
+    ``occ`` is the occupancy of ``leases`` when the caller keeps it already (a scheduling pass
+    placing many claims in turn), ``pool`` the schedulable devices likewise. Returns the chosen
+    uuids and a reason.
     """
-    occ = occupancy(devices, leases)
-    candidates = [d for d in schedulable(devices) if fits(d, occ[d.uuid], lease)]
+    if occ is None:
+        occ = occupancy(devices, leases)
+    if pool is None:
+        pool = schedulable(devices)
+    candidates = [d for d in pool if fits(d, occ[d.uuid], lease)]
     if only is not None:
         allowed = set(only)
         candidates = [d for d in candidates if d.uuid in allowed]

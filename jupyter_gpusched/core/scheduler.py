@@ -22,7 +22,7 @@ from .model import (
     SchedConfig,
     Step,
 )
-from .placement import Occupancy, fits, place, schedulable
+from .placement import Occupancy, fits, occupancy, occupy, place, schedulable, vacate
 
 
 class _Limits:
@@ -51,6 +51,9 @@ class _Pass:
         self.cfg = cfg
         self.caps = caps
         self.decisions: list[Decision] = []
+        self.pool = schedulable(self.devices)
+        self.empty_occ = {d.uuid: Occupancy(False, 0, 0) for d in self.devices}
+        self._could_fit: dict[tuple, bool] = {}
         self.wakeups: list[float] = []
 
     # -- helpers ---------------------------------------------------------------------------
@@ -132,16 +135,21 @@ class _Pass:
                     self.wake(lease.last_active_at + limit.idle_after)
 
     # -- granting --------------------------------------------------------------------------
-    def placement_for(self, lease: Lease, leases: Iterable[Lease], avoid: AbstractSet[str] = frozenset()):
+    def placement_for(
+        self, lease: Lease, leases: Iterable[Lease], avoid: AbstractSet[str] = frozenset(), occ=None
+    ):
         """Where ``lease`` would go now (a restore goes home, or to the same model with remap),
-        keeping off the devices in ``avoid``."""
+        keeping off the devices in ``avoid``. ``occ`` is the occupancy of ``leases`` if known."""
         allowed = [d.uuid for d in self.devices if d.uuid not in avoid] if avoid else None
         if lease.home:
             home = [self.by_uuid[u] for u in lease.home if u in self.by_uuid]
             if self.caps.remap:
-                return place(lease, self.devices, leases, same_model_as=home or (), only=allowed)
-            return place(lease, self.devices, leases, only=[u for u in lease.home if u not in avoid])
-        return place(lease, self.devices, leases, only=allowed)
+                return place(
+                    lease, self.devices, leases, same_model_as=home or (), only=allowed, occ=occ, pool=self.pool
+                )
+            home_only = [u for u in lease.home if u not in avoid]
+            return place(lease, self.devices, leases, only=home_only, occ=occ, pool=self.pool)
+        return place(lease, self.devices, leases, only=allowed, occ=occ, pool=self.pool)
 
     def usable(self, lease: Lease) -> set[str]:
         """Every device ``lease`` could be placed on when nobody holds it."""
@@ -161,7 +169,11 @@ class _Pass:
         For a restore that must go back to its home GPU this asks whether that GPU is healthy,
         not merely whether the host has enough GPUs.
         """
-        return self.placement_for(lease, ()) is not None
+        key = (lease.count, lease.memory, lease.mode, lease.home)
+        known = self._could_fit.get(key)
+        if known is None:
+            known = self._could_fit[key] = self.placement_for(lease, (), occ=self.empty_occ) is not None
+        return known
 
     def grant(self, pending: list[Lease], usage: fairness.Usage) -> tuple[list[Lease], list[Lease]]:
         """Grant what fits in fair order; return the fair queue and the claims left waiting."""
@@ -170,10 +182,12 @@ class _Pass:
         # queue is placed there until they are served. A restore that can only go home holds
         # its home GPU, not the whole host.
         reserved: set[str] = set()
+        # What the holding leases occupy, kept current as claims are granted below.
+        occ = occupancy(self.devices, self.live())
 
         def serve(lease: Lease) -> bool:
             lease = self.leases[lease.id]
-            chosen = self.placement_for(lease, self.live(), avoid=reserved)
+            chosen = self.placement_for(lease, (), avoid=reserved, occ=occ)
             if chosen is None:
                 blocked.append(lease)
                 possible = self.could_fit(lease)
@@ -207,6 +221,7 @@ class _Pass:
                 "grant",
                 text,
             )
+            occupy(occ, self.leases[lease.id], self.by_uuid)
             usage.add(lease)
             return True
 
@@ -260,11 +275,15 @@ class _Pass:
         # The host as it will be once the chosen victims are gone and the claims before this one
         # hold their devices: two waiting claims must not count on the same freed GPU, and a claim
         # that fits already (held back only by a reservation) needs no victim at all.
-        planned = [le for le in self.live() if le.holding]
+        holding = {le.id: le for le in self.live() if le.holding}
+        # Occupancy of the planned host, kept current as victims are chosen and claims placed.
+        planned = occupancy(self.devices, holding.values())
 
         def fit(claim: Lease, gone: Iterable[str]):
-            gone = set(gone)
-            return self.placement_for(claim, [le for le in planned if le.id not in chosen and le.id not in gone])
+            trial = dict(planned)
+            for vid in gone:
+                vacate(trial, holding[vid], self.by_uuid)
+            return self.placement_for(claim, (), occ=trial)
 
         for claim in blocked:
             if not self.could_fit(claim):
@@ -293,7 +312,8 @@ class _Pass:
                     if self.cfg.policy == "hybrid" and vid not in borrowed:
                         who = "same user, "
                     chosen[vid] = f"{who}idle and {claim.user}'s claim {claim.id} is waiting"
-            planned.append(replace(claim, state=LeaseState.ACTIVE, devices=placed[0]))
+                    vacate(planned, holding[vid], self.by_uuid)
+            occupy(planned, replace(claim, state=LeaseState.ACTIVE, devices=placed[0]), self.by_uuid)
         return chosen
 
     def uncontended(self, limits: _Limits) -> dict[str, str]:
