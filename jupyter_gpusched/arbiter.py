@@ -641,6 +641,9 @@ class LocalArbiter(Arbiter):
         self._reclaimed(done, Step.CHECKPOINT, "suspended", done.reason)
 
     def _reclaimed(self, lease: Lease, step: Step, kind: str, message: str) -> None:
+        before = next((le for le in self.state.leases if le.id == lease.id), None)
+        devices = ",".join((before.devices if before else ()) or lease.home) or "-"
+        log.info("reclaim: lease %s of kernel %s: %s from %s: %s", lease.id, lease.kernel_id, step.value, devices, message)
         if self.metrics is not None:
             self.metrics.reclaimed(step.value)
         self.publish(ArbiterEvent("notice", notice=_notice(kind, lease, message)))

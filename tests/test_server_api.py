@@ -223,3 +223,35 @@ async def test_prometheus_metrics(jp_fetch, arbiter):
     assert value('gpusched_leases{state="active"}') == 2
     assert value('gpusched_leases{state="pending"}') == 1
     assert "gpusched_wait_seconds_bucket" in text
+
+
+async def test_events_websocket_sends_snapshot_then_changes(jp_fetch, jp_ws_fetch, arbiter):
+    import asyncio
+
+    ws = await jp_ws_fetch("api", "gpusched", "events")
+    first = json.loads(await asyncio.wait_for(ws.read_message(), 10))
+    assert first["type"] == "snapshot"
+    assert len(first["devices"]) == 2 and first["leases"] == []
+
+    kernel_id = await _kernel(jp_fetch)
+    code, lease = await api(jp_fetch, "leases", method="POST", body={"kernel_id": kernel_id})
+    assert code == 201
+    seen = []
+    def done():
+        active = any(e["type"] == "lease" and e["lease"]["state"] == "active" for e in seen)
+        return active and any(e["type"] == "notice" for e in seen)
+
+    while not done():
+        seen.append(json.loads(await asyncio.wait_for(ws.read_message(), 10)))
+    event = next(e for e in seen if e["type"] == "lease" and e["lease"]["state"] == "active")
+    assert event["lease"]["id"] == lease["id"] and event["lease"]["devices"] == lease["devices"]
+    assert any(e["type"] == "notice" and e["kind"] == "granted" for e in seen)
+    ws.close()
+
+
+async def test_events_websocket_needs_authentication(jp_ws_fetch):
+    from tornado.httpclient import HTTPClientError
+
+    with pytest.raises(HTTPClientError) as info:
+        await jp_ws_fetch("api", "gpusched", "events", headers={"Authorization": ""})
+    assert info.value.code == 403
