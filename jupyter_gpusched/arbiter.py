@@ -581,7 +581,7 @@ class LocalArbiter(Arbiter):
                 why = "released while idle: the kernel held no GPU memory; its next cell asks again"
                 done = await self._update(lease, lambda cur, now: core.released(cur, now, why) if still(cur, now) else None)
                 if done is not None:
-                    self._reclaimed(done, step, "released", why)
+                    self._reclaimed(done, step, "released", why, lease.devices)
             elif step == Step.CHECKPOINT:
                 await self._checkpoint(lease, still)
             elif step == Step.FREE_CACHE:
@@ -593,7 +593,7 @@ class LocalArbiter(Arbiter):
                 done = await self._update(lease, lambda cur, now: core.released(cur, now, why) if still(cur, now) else None)
                 if done is None:
                     return
-                self._reclaimed(done, step, "reclaimed", why)
+                self._reclaimed(done, step, "reclaimed", why, lease.devices)
                 if self.kernels is not None:
                     if step == Step.RESTART:
                         await self.kernels.restart(lease.kernel_id)
@@ -640,9 +640,8 @@ class LocalArbiter(Arbiter):
         )
         self._reclaimed(done, Step.CHECKPOINT, "suspended", done.reason)
 
-    def _reclaimed(self, lease: Lease, step: Step, kind: str, message: str) -> None:
-        before = next((le for le in self.state.leases if le.id == lease.id), None)
-        devices = ",".join((before.devices if before else ()) or lease.home) or "-"
+    def _reclaimed(self, lease: Lease, step: Step, kind: str, message: str, devices: Iterable[str] = ()) -> None:
+        devices = ",".join(devices) or ",".join(lease.home) or "-"
         log.info("reclaim: lease %s of kernel %s: %s from %s: %s", lease.id, lease.kernel_id, step.value, devices, message)
         if self.metrics is not None:
             self.metrics.reclaimed(step.value)
