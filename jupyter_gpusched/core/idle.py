@@ -126,10 +126,13 @@ def timeouts(lease: Lease, prior: Sequence[float], cfg: SchedConfig) -> Timeouts
     horizon = cfg.idle_timeout
     early = _first_long_point(samples, max(cfg.idle_timeout * FLOOR, 1.0), cfg.idle_timeout / GROWTH, horizon)
     idle_after = early if early is not None else cfg.idle_timeout
-    keep_cap = base_keep if base_keep is not None else max(cfg.idle_timeout * 16, idle_after)
-    keep = _first_long_point(samples, idle_after, keep_cap, horizon)
-    if keep is None:
-        keep = base_keep
+    if base_keep is None:
+        # release_timeout = 0: an idle lease is kept for as long as nobody waits.
+        keep = None
+    else:
+        keep = _first_long_point(samples, idle_after, base_keep, horizon)
+        if keep is None:
+            keep = base_keep
     if early is not None:
         reason = f"pauses are usually long: idle after {idle_after:.0f}s"
     elif keep is not None and keep > idle_after * GROWTH:
