@@ -159,23 +159,8 @@ def released(lease: Lease, now: float, reason: str) -> Lease:
     )
 
 
-def step_failed(lease: Lease, step: Step, reason: str) -> Lease:
-    """A reclaim step could not be carried out: the next pass tries the next one."""
-    if lease.state != LeaseState.RECLAIMING:
-        return lease
-    return replace(
-        lease,
-        state=LeaseState.IDLE,
-        reclaim_at=None,
-        reclaim_step=None,
-        tried_steps=(*lease.tried_steps, step),
-        reason=f"{step.value} failed: {reason}",
-        version=lease.version + 1,
-    )
-
-
-def step_done(lease: Lease, step: Step, reason: str) -> Lease:
-    """A step that frees memory but not the device (``free-cache``) was carried out."""
+def _step_over(lease: Lease, step: Step, reason: str) -> Lease:
+    """Back to idle with ``step`` marked tried, so that the next pass goes on down the ladder."""
     if lease.state != LeaseState.RECLAIMING:
         return lease
     return replace(
@@ -187,6 +172,16 @@ def step_done(lease: Lease, step: Step, reason: str) -> Lease:
         reason=reason,
         version=lease.version + 1,
     )
+
+
+def step_failed(lease: Lease, step: Step, reason: str) -> Lease:
+    """A reclaim step could not be carried out: the next pass tries the next one."""
+    return _step_over(lease, step, f"{step.value} failed: {reason}")
+
+
+def step_done(lease: Lease, step: Step, reason: str) -> Lease:
+    """A step that frees memory but not the device (``free-cache``) was carried out."""
+    return _step_over(lease, step, reason)
 
 
 def keep(lease: Lease, seconds: float, now: float, cfg: SchedConfig) -> Lease:
