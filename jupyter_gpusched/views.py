@@ -52,7 +52,8 @@ class ViewContext:
 def iso(ts: float | None) -> str | None:
     if ts is None:
         return None
-    return dt.datetime.fromtimestamp(ts, tz=dt.timezone.utc).isoformat().replace("+00:00", "Z")
+    stamp = dt.datetime.fromtimestamp(ts, tz=dt.timezone.utc)
+    return stamp.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def lease_json(
