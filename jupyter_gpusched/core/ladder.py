@@ -17,8 +17,8 @@ def choose_step(lease: Lease, cfg: SchedConfig, caps: Capabilities) -> tuple[Ste
         return Step.FREE_CACHE, "the kernel holds more than its share: dropping framework caches"
     if cfg.reclaim_fallback == "restart":
         why = "checkpoint is off" if cfg.checkpoint == "off" else caps.checkpoint_reason
-        return Step.RESTART, f"no gentler step ({why}): the kernel will be restarted"
+        return Step.RESTART, f"no gentler step: {why}"
     if cfg.reclaim_fallback == "shutdown":
         why = "checkpoint is off" if cfg.checkpoint == "off" else caps.checkpoint_reason
-        return Step.SHUTDOWN, f"no gentler step ({why}): the kernel will be shut down"
+        return Step.SHUTDOWN, f"no gentler step: {why}"
     return None, "reclaim_fallback is 'none' and no gentler step applies"

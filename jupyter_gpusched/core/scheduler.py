@@ -308,10 +308,9 @@ class _Pass:
                     if found is not None:
                         picked, placed = trial, found
                 for vid in picked:
-                    who = "borrowed, " if self.cfg.policy == "hybrid" and vid in borrowed else ""
-                    if self.cfg.policy == "hybrid" and vid not in borrowed:
-                        who = "same user, "
-                    chosen[vid] = f"{who}idle and {claim.user}'s claim {claim.id} is waiting"
+                    above = self.cfg.policy == "hybrid" and vid in borrowed
+                    share = " beyond its user's guaranteed share" if above else ""
+                    chosen[vid] = f"idle{share} while {claim.user} waits for a GPU"
                     vacate(planned, holding[vid], self.by_uuid)
             occupy(planned, replace(claim, state=LeaseState.ACTIVE, devices=placed[0]), self.by_uuid)
         return chosen
@@ -364,7 +363,8 @@ class _Pass:
                 continue
             if step.disruptive:
                 at = self.now + self.cfg.grace_period
-                reason = f"{why}; {how} in {self.cfg.grace_period:.0f}s unless it runs or is kept"
+                # When and how are in reclaim_at and reclaim_step; the reason says why.
+                reason = f"{why} ({how})"
                 kind = "notice" if at > self.now else "reclaim"
                 self.set(
                     replace(lease, state=LeaseState.RECLAIMING, reclaim_at=at, reclaim_step=step, reason=reason),
