@@ -42,7 +42,7 @@ class _DeviceRow:
 
     def __init__(self, widgets: Any):
         w = widgets
-        self.name = w.HTML(layout=w.Layout(width="16em"))
+        self.name = w.HTML(layout=w.Layout(width="22em"))
         self.util = w.IntProgress(min=0, max=100, value=0, layout=w.Layout(width="9em"))
         self.util_label = w.Label(layout=w.Layout(width="4em"))
         self.memory = w.FloatProgress(min=0.0, max=1.0, value=0.0, layout=w.Layout(width="9em"))
