@@ -1,0 +1,248 @@
+"""The broker's page at the service's URL: hub login through OAuth (``HubOAuth``).
+
+A hub admin sees the whole host: every GPU with its telemetry, every lease with its user, the
+queue, GPU processes that belong to no lease (with their Unix user), GPU processes left behind
+by servers that stopped sending heartbeats, the connected servers; and can drain, undrain and
+release. Any other user with access to the service sees the host as the REST API shows it to
+them: their own leases in full, others' as held by "another user".
+"""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+from jupyterhub.services.auth import HubOAuthCallbackHandler, HubOAuthenticated, UserNotAllowed
+from tornado import web
+
+from ..core import format_bytes
+from ..views import Principal
+
+REFRESH_SECONDS = 5
+
+_STYLE = """
+body { font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }
+h1 { font-size: 1.4em; } h2 { font-size: 1.1em; margin-top: 1.6em; }
+table { border-collapse: collapse; margin-top: .4em; }
+th, td { border-bottom: 1px solid #ddd; padding: .3em .7em; text-align: left; font-size: .9em; vertical-align: top; }
+th { background: #f4f4f4; }
+.muted { color: #777; } .warn { color: #a40; } .ok { color: #060; }
+form { display: inline; } button { font-size: .85em; }
+code { font-size: .85em; }
+"""
+
+
+def _e(value: Any) -> str:
+    return html.escape("" if value is None else str(value))
+
+
+def _bytes(value: Any) -> str:
+    return format_bytes(value) if isinstance(value, int) else "?"
+
+
+class OAuthCallbackHandler(HubOAuthCallbackHandler):
+    """The end of the hub login, with the broker's own HubOAuth (it remembers the login's state)."""
+
+    def initialize(self, app: Any) -> None:
+        self.hub_auth = app.hub_auth
+
+
+class PageBase(HubOAuthenticated, web.RequestHandler):
+    """Hub OAuth login; the user model is fetched without blocking the event loop."""
+
+    def initialize(self, app: Any) -> None:
+        self.app = app
+        self.broker = app.broker
+        self.hub_auth = app.hub_auth
+        self._model: dict | None = None
+
+    async def prepare(self) -> None:
+        model = await self.hub_auth.get_user(self, sync=False)
+        if model:
+            try:
+                model = self.check_hub_user(model)
+            except UserNotAllowed:
+                raise web.HTTPError(403, "you may not use the GPU broker (ask the hub admin for access)") from None
+        self._model = model or None
+
+    def get_current_user(self) -> dict | None:
+        return self._model
+
+    def principal(self) -> Principal:
+        model = self._model or {}
+        return Principal(
+            user=model.get("name", ""),
+            groups=tuple(model.get("groups") or ()),
+            admin=bool(model.get("admin")),
+            show_holders=self.app.show_holders,
+        )
+
+    def form(self, action: str, label: str, confirm: str = "") -> str:
+        onclick = f' onclick="return confirm({_e(repr(confirm))})"' if confirm else ""
+        return (
+            f'<form method="post" action="{_e(self.app.prefix + action)}">'
+            f'<input type="hidden" name="_xsrf" value="{_e(self._xsrf())}">'
+            f'<button type="submit"{onclick}>{_e(label)}</button></form>'
+        )
+
+
+    def _xsrf(self) -> str:
+        token = self.xsrf_token
+        return token.decode() if isinstance(token, bytes) else str(token)
+
+
+class PageHandler(PageBase):
+    @web.authenticated
+    async def get(self) -> None:
+        who = self.principal()
+        status = await self.broker.status(who)
+        self.set_header("Content-Type", "text/html; charset=utf-8")
+        self.set_header("Cache-Control", "no-store")
+        self.finish(self.render_page(status, who))
+
+    def render_page(self, status: dict, who: Principal) -> str:
+        parts = [
+            "<!DOCTYPE html><html><head><meta charset='utf-8'>",
+            f"<meta http-equiv='refresh' content='{REFRESH_SECONDS}'>",
+            f"<title>GPUs of this host</title><style>{_STYLE}</style></head><body>",
+            "<h1>GPUs of this host</h1>",
+            f"<p class='muted'>Signed in as <b>{_e(who.user)}</b>{' (hub admin)' if who.admin else ''}. "
+            f"Policy <code>{_e(status.get('policy'))}</code>, {_e(status.get('backend'))} backend"
+            f"{(' (' + _e(status.get('backend_note')) + ')') if status.get('backend_note') else ''}. "
+            f"Updated {_e(status.get('time'))}, every {REFRESH_SECONDS}s.</p>",
+        ]
+        parts += self._devices(status, who)
+        parts += self._leases(status, who)
+        parts += self._queue(status)
+        if who.admin:
+            parts += self._processes(status)
+            parts += self._servers(status)
+        parts.append("</body></html>")
+        return "".join(parts)
+
+    def _devices(self, status: dict, who: Principal) -> list[str]:
+        rows = []
+        holders = {le["id"]: le for le in status.get("leases", [])}
+        for d in status.get("devices", []):
+            held = ", ".join(_e(holders[i]["user"]) for i in d.get("lease_ids", []) if i in holders) or "<span class='muted'>free</span>"
+            health = d.get("health")
+            cls = "ok" if health == "ok" else "warn"
+            health_text = _e(health) + (f": {_e(d.get('drain_reason'))}" if d.get("drain_reason") else "")
+            action = ""
+            if who.admin and health == "drained":
+                action = self.form(f"admin/devices/{d['uuid']}/undrain", "Undrain")
+            elif who.admin and health == "ok":
+                action = self.form(f"admin/devices/{d['uuid']}/drain", "Drain", f"Drain GPU {d['index']}? No new leases go there.")
+            util = d.get("utilization")
+            rows.append(
+                f"<tr><td>{_e(d['index'])}</td><td>{_e(d['name'])}<br><code class='muted'>{_e(d['uuid'])}</code></td>"
+                f"<td>{_bytes(d.get('memory_used'))} / {_bytes(d.get('memory_total'))}</td>"
+                f"<td>{'?' if util is None else _e(round(util))}%</td>"
+                f"<td class='{cls}'>{health_text}</td><td>{held}</td>"
+                f"<td>{len(d.get('processes', []))}</td><td>{action}</td></tr>"
+            )
+        return [
+            "<h2>Devices</h2><table><tr><th>#</th><th>GPU</th><th>memory</th><th>util.</th>"
+            "<th>health</th><th>held by</th><th>processes</th><th></th></tr>",
+            *rows,
+            "</table>",
+        ]
+
+    def _leases(self, status: dict, who: Principal) -> list[str]:
+        rows = []
+        for le in status.get("leases", []):
+            gpus = ", ".join(f"GPU {i}" for i in le.get("device_indices", [])) or "-"
+            action = ""
+            if (le.get("mine") or who.admin) and le.get("state") != "released":
+                action = self.form(f"admin/leases/{le['id']}/release", "Release", "Release this lease now?")
+            rows.append(
+                f"<tr><td><code>{_e(le['id'][:12])}</code></td><td>{_e(le['user'])}</td>"
+                f"<td><code>{_e((le.get('kernel_id') or '-')[:12])}</code></td><td>{_e(le.get('notebook') or '')}</td>"
+                f"<td>{_e(le['state'])}</td><td>{_e(gpus)}</td><td>{_e(le.get('count'))}</td>"
+                f"<td>{_e(le.get('idle_seconds') if le.get('idle_seconds') is not None else '')}</td>"
+                f"<td>{_e(le.get('reason'))}</td><td>{action}</td></tr>"
+            )
+        if not rows:
+            rows.append("<tr><td colspan='10' class='muted'>no leases</td></tr>")
+        return [
+            "<h2>Leases</h2><table><tr><th>lease</th><th>user</th><th>kernel</th><th>notebook</th>"
+            "<th>state</th><th>GPUs</th><th>count</th><th>idle s</th><th>why</th><th></th></tr>",
+            *rows,
+            "</table>",
+        ]
+
+    def _queue(self, status: dict) -> list[str]:
+        rows = [
+            f"<tr><td>{_e(q['position'])}</td><td>{_e(q['user'])}</td><td>{_e(q['count'])}</td>"
+            f"<td>{_e(q['waiting_since'])}</td><td><code>{_e(q['lease_id'][:12])}</code></td></tr>"
+            for q in status.get("queue", [])
+        ] or ["<tr><td colspan='5' class='muted'>nobody waits</td></tr>"]
+        return [
+            "<h2>Queue</h2><table><tr><th>position</th><th>user</th><th>GPUs</th><th>waiting since</th><th>lease</th></tr>",
+            *rows,
+            "</table>",
+        ]
+
+    def _processes(self, status: dict) -> list[str]:
+        index = {d["uuid"]: d["index"] for d in status.get("devices", [])}
+        rows = [
+            f"<tr><td>{_e(p['pid'])}</td><td>{_e(p.get('unix_user') or '?')}</td>"
+            f"<td>GPU {_e(index.get(p.get('device'), '?'))}</td><td>{_bytes(p.get('memory_used'))}</td></tr>"
+            for p in status.get("unleased_processes", [])
+        ] or ["<tr><td colspan='4' class='muted'>none</td></tr>"]
+        stranded = [
+            f"<tr><td>{_e(p['pid'])}</td><td>{_e(p.get('unix_user') or '?')}</td><td>{_e(p['user'])}</td>"
+            f"<td><code>{_e(p['kernel_id'][:12])}</code></td><td><code>{_e(p['server_id'][:12])}</code></td></tr>"
+            for p in status.get("stranded_processes", [])
+        ] or ["<tr><td colspan='5' class='muted'>none</td></tr>"]
+        return [
+            "<h2>GPU processes without a lease</h2><table><tr><th>pid</th><th>Unix user</th><th>GPU</th><th>memory</th></tr>",
+            *rows,
+            "</table>",
+            "<h2>GPU processes left behind by silent servers</h2><table><tr><th>pid</th><th>Unix user</th>"
+            "<th>hub user</th><th>kernel</th><th>server</th></tr>",
+            *stranded,
+            "</table>",
+        ]
+
+    def _servers(self, status: dict) -> list[str]:
+        rows = [
+            f"<tr><td>{_e(s['user'])}</td><td><code>{_e(s['server_id'][:12])}</code></td><td>{_e(s.get('pid'))}</td>"
+            f"<td class='{'ok' if s['connected'] else 'warn'}'>{'connected' if s['connected'] else 'silent'}</td>"
+            f"<td>{_e(s['silent_seconds'])}</td><td>{len(s['kernels'])}</td></tr>"
+            for s in status.get("servers", [])
+        ] or ["<tr><td colspan='6' class='muted'>none</td></tr>"]
+        return [
+            "<h2>Single-user servers</h2><table><tr><th>user</th><th>server</th><th>pid</th><th>state</th>"
+            "<th>last heard s ago</th><th>kernels</th></tr>",
+            *rows,
+            "</table>",
+        ]
+
+
+class _Action(PageBase):
+    def back(self) -> None:
+        self.redirect(self.app.prefix)
+
+    async def act(self, fn) -> None:
+        from ..arbiter import ArbiterError
+
+        try:
+            await fn()
+        except ArbiterError as exc:
+            raise web.HTTPError(exc.status, exc.message.replace("%", "%%")) from None
+        self.back()
+
+
+class DrainFormHandler(_Action):
+    @web.authenticated
+    async def post(self, uuid: str, action: str) -> None:
+        who = self.principal()
+        await self.act(lambda: self.broker.drain(who, uuid, action == "drain", f"drained by {who.user} on the admin page"))
+
+
+class ReleaseFormHandler(_Action):
+    @web.authenticated
+    async def post(self, lease_id: str) -> None:
+        who = self.principal()
+        await self.act(lambda: self.broker.release(who, lease_id))

@@ -1,0 +1,486 @@
+"""Hub mode end to end: a real JupyterHub, configurable-http-proxy, the GPU broker as a managed
+service, and the users' own single-user servers (dummy authenticator, local process spawner) on
+2 simulated GPUs.
+
+The hub loads ``examples/jupyterhub_config.py`` as written (plus test-only settings: ports,
+scratch files, dummy login, simulated GPUs). Kernels are real ipykernel processes started through
+gpusched-provisioner on each user's server; they bind lazily, at their first cell, through their
+server, which asks the broker. Times are real but short (idle after 5 s, borrowed GPUs taken back
+after 1 s more), so no test waits long. The tests of this module run in order on one hub.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+import requests
+
+from jupyter_gpusched.hub.testing import EXAMPLE, Hub, start_kernel
+from jupyter_gpusched.ledger import Ledger
+
+pytestmark = [pytest.mark.hub, pytest.mark.slow, pytest.mark.timeout(900)]
+
+VISIBLE = "import os; print('VISIBLE=' + os.environ.get('CUDA_VISIBLE_DEVICES', ''))"
+BROKER = {
+    "idle_timeout": 5.0,
+    "contended_idle_timeout": 1.0,
+    "release_timeout": 3600.0,
+    "grace_period": 2.0,
+    "quotas": {"group:staff": 1, "*": 0.5},
+    "max_pending_per_user": 3,
+}
+
+
+def visible(out: dict) -> str:
+    for line in out["stdout"].splitlines():
+        if line.startswith("VISIBLE="):
+            return line.split("=", 1)[1]
+    raise AssertionError(f"the cell printed no CUDA_VISIBLE_DEVICES: {out}")
+
+
+def until(predicate, timeout: float = 60.0, what: str = "a condition", hub: Hub | None = None):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}" + (_diagnose(hub) if hub else ""))
+        time.sleep(0.25)
+
+
+def _diagnose(hub: Hub) -> str:
+    """The broker's view and the end of the hub's log, for a failure message."""
+    try:
+        code, status = hub.broker("GET", "status", hub.token("admin"))
+        leases = [
+            (le["user"], (le["kernel_id"] or "")[:8], le["state"], le["device_indices"], le["reason"])
+            for le in status.get("leases", [])
+        ]
+        view = f"leases {leases}\nqueue {status.get('queue')}"
+    except Exception as exc:  # noqa: BLE001 - a diagnosis must not hide the failure
+        view = f"(no broker status: {exc})"
+    return f"\n{view}\n{hub.log_tail(60)}"
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    if not EXAMPLE.exists():
+        pytest.skip("examples/jupyterhub_config.py is not in this checkout")
+    h = Hub(tmp_path_factory.mktemp("hub"), broker=BROKER, admins=("admin",))
+    h.add_kernelspec("gpu")
+    h.kernels = {}
+    with h:
+        h.create_users(["alice", "bob", "carol", "mallory"])
+        h.add_to_group("staff", ["bob"])
+        h.start_servers(["alice", "bob", "carol", "admin"])
+        yield h
+        for kernel in h.kernels.values():
+            kernel.close()
+
+
+def leases_of(hub: Hub, user: str, kernel_id: str) -> list[dict]:
+    code, leases = hub.server(user, "GET", f"api/gpusched/leases?kernel_id={kernel_id}")
+    assert code == 200, leases
+    return [le for le in leases if le["state"] != "released"]
+
+
+def lease_of(hub: Hub, user: str, kernel_id: str) -> dict | None:
+    live = leases_of(hub, user, kernel_id)
+    assert len(live) <= 1, live
+    return live[0] if live else None
+
+
+def admin_status(hub: Hub) -> dict:
+    code, status = hub.broker("GET", "status", hub.token("admin"))
+    assert code == 200, status
+    return status
+
+
+def ledger_problems(hub: Hub) -> list[str]:
+    with Ledger(hub.ledger_path) as ledger:
+        return ledger.check()
+
+
+# -- the users' servers ---------------------------------------------------------------------------
+def test_a_users_server_is_in_hub_mode_and_answers_for_its_user(hub):
+    code, status = hub.server("alice", "GET", "api/gpusched/status")
+    assert code == 200, status
+    assert status["mode"] == "hub" and status["user"] == "alice" and status["is_admin"] is False
+    assert len(status["devices"]) == 2 and status["backend"] == "simulated"
+    code, status = hub.server("admin", "GET", "api/gpusched/status")
+    assert code == 200 and status["is_admin"] is True and status["user"] == "admin"
+    # The server's own REST API is the standalone one: the OpenAPI document is served too.
+    code, doc = hub.server("bob", "GET", "api/gpusched/openapi.json")
+    assert code == 200 and "paths" in doc
+
+
+# -- sharing, the queue, reclaim and quotas -----------------------------------------------------
+def test_users_share_two_gpus_through_the_broker(hub):
+    """alice and bob get a GPU each; carol waits with her position; alice idles and is reclaimed
+    (checkpointed, her state kept); carol is granted. Then quotas: bob, over his quota, waits
+    while alice (under hers) is served first."""
+    ka = hub.kernels["alice"] = start_kernel(hub, "alice")
+    out = ka.execute(VISIBLE + "\nfrom jupyter_gpusched.devices import simulated\nsimulated.allocate('1GiB')")
+    assert out["error"] is None, out
+    gpu_a = visible(out)
+    kb = hub.kernels["bob"] = start_kernel(hub, "bob")
+    out = kb.execute(VISIBLE)
+    gpu_b = visible(out)
+    assert gpu_a and gpu_b and gpu_a != gpu_b
+    lease_a = lease_of(hub, "alice", ka.id)
+    lease_b = lease_of(hub, "bob", kb.id)
+    assert lease_a["devices"] == [gpu_a] and lease_a["user"] == "alice" and lease_a["mine"]
+    assert lease_b["devices"] == [gpu_b]
+
+    # alice computes for a while, so that carol's claim has to wait.
+    before = lease_of(hub, "alice", ka.id)["last_active_at"]
+    busy = ka.submit("import time; time.sleep(8)")
+    until(lambda: lease_of(hub, "alice", ka.id)["last_active_at"] != before, 30, "the broker to see alice busy", hub)
+
+    kc = hub.kernels["carol"] = start_kernel(hub, "carol")
+    waiting = kc.submit(VISIBLE)
+    pending = until(
+        lambda: [le for le in leases_of(hub, "carol", kc.id) if le["state"] == "pending"], 30, "carol to queue", hub
+    )
+    assert pending[0]["position"] == 1
+    code, status = hub.server("carol", "GET", "api/gpusched/status")
+    assert [q["user"] for q in status["queue"]] == ["carol"] and status["queue"][0]["position"] == 1
+    assert not kc.done(waiting), "carol's cell waits for its GPU"
+
+    # alice's cell ends; her lease is borrowed (quota 0.5) and idle, so it goes to carol.
+    ka.result(busy, 60)
+    out = kc.result(waiting, 90)
+    assert out["error"] is None, out
+    assert visible(out) == gpu_a
+    suspended = until(
+        lambda: (lease_of(hub, "alice", ka.id) or {}).get("state") == "suspended", 30, "alice to be suspended", hub
+    )
+    assert suspended
+    assert lease_of(hub, "bob", kb.id)["state"] in ("active", "idle"), "bob is within his quota: untouched"
+    assert lease_of(hub, "carol", kc.id)["devices"] == [gpu_a]
+
+    # Quotas. bob (group staff, quota 1) holds a GPU and keeps it pinned; carol (quota 0.5)
+    # computes on hers. bob's second kernel asks: that would borrow, so it waits.
+    code, kept = hub.server("bob", "POST", f"api/gpusched/leases/{lease_b['id']}/keep", {"seconds": 900})
+    assert code == 200 and kept["keep_until"], kept
+    kb2 = hub.kernels["bob2"] = start_kernel(hub, "bob")
+    before = lease_of(hub, "carol", kc.id)["last_active_at"]
+    carol_busy = kc.submit("import time; time.sleep(12)")
+    until(lambda: lease_of(hub, "carol", kc.id)["last_active_at"] != before, 30, "the broker to see carol busy", hub)
+    bob_waits = kb2.submit(VISIBLE)
+    until(lambda: [le for le in leases_of(hub, "bob", kb2.id) if le["state"] == "pending"], 30, "bob's 2nd claim", hub)
+    # alice (quota 0.5, holding nothing now) asks after bob and goes ahead of him.
+    alice_back = ka.submit(VISIBLE + "\nprint('HELD', simulated.memory_allocated())")
+
+    def queue_users():
+        return [q["user"] for q in admin_status(hub)["queue"]]
+
+    until(lambda: queue_users() == ["alice", "bob"], 30, "alice ahead of bob in the queue", hub)
+    assert not kc.done(carol_busy), "carol was still computing: nothing was taken from her yet"
+    # carol's cell ends: her borrowed GPU is taken back and goes to alice (restored), not bob.
+    kc.result(carol_busy, 60)
+    out = ka.result(alice_back, 90)
+    assert out["error"] is None, out
+    assert "HELD 1073741824" in out["stdout"], "alice's GPU memory came back with the restore"
+    assert lease_of(hub, "alice", ka.id)["state"] in ("active", "idle")
+    assert not kb2.done(bob_waits)
+    assert [le["state"] for le in leases_of(hub, "bob", kb2.id)] == ["pending"]
+    assert lease_of(hub, "carol", kc.id) is None
+    assert lease_of(hub, "bob", kb.id)["id"] == lease_b["id"]
+    assert ledger_problems(hub) == []
+
+    # bob gives up on his second kernel: shutting it down withdraws the claim.
+    code, _ = hub.server("bob", "DELETE", f"api/kernels/{kb2.id}")
+    assert code == 204
+    until(lambda: not leases_of(hub, "bob", kb2.id), 30, "bob's withdrawn claim", hub)
+    hub.kernels.pop("bob2").close()
+
+
+# -- security ---------------------------------------------------------------------------------
+def test_a_user_can_neither_touch_nor_see_another_users_lease(hub):
+    ka = hub.kernels["alice"]
+    lease = lease_of(hub, "alice", ka.id)
+    assert lease is not None and lease["state"] != "pending"
+    bob = hub.token("bob")
+
+    # Through the broker directly and through bob's own server: 403, and the lease is unchanged.
+    for call in (
+        lambda m, p, b=None: hub.broker(m, p, bob, b),
+        lambda m, p, b=None: hub.server("bob", m, "api/gpusched/" + p, b),
+    ):
+        code, body = call("DELETE", f"leases/{lease['id']}")
+        assert code == 403 and "another user" in body["message"], body
+        code, body = call("POST", f"leases/{lease['id']}/keep", {"seconds": 600})
+        assert code == 403, body
+    # A forged kernel header does not make bob alice's kernel.
+    code, body = hub.broker("DELETE", f"leases/{lease['id']}", bob, headers={"X-GPUSched-Kernel": ka.id})
+    assert code == 403, body
+
+    # bob sees the host, and alice's lease as "another user's", without her kernel id.
+    code, leases = hub.server("bob", "GET", "api/gpusched/leases")
+    theirs = [le for le in leases if le["id"] == lease["id"]]
+    assert theirs and theirs[0]["user"] == "another user" and theirs[0]["kernel_id"] is None
+    assert theirs[0]["notebook"] is None and theirs[0]["mine"] is False
+    code, found = hub.server("bob", "GET", f"api/gpusched/leases?kernel_id={ka.id}")
+    assert code == 200 and found == []
+    code, one = hub.broker("GET", f"leases/{lease['id']}", bob)
+    assert code == 200 and one["kernel_id"] is None and one["user"] == "another user"
+    code, status = hub.broker("GET", "status", bob)
+    text = json.dumps(status)
+    assert ka.id not in text and "alice" not in text
+    assert status["is_admin"] is False and "servers" not in status and status["unleased_processes"] == []
+    # bob cannot claim for alice's kernel either.
+    code, body = hub.server("bob", "POST", "api/gpusched/leases", {"kernel_id": ka.id})
+    assert code == 404, body
+    code, body = hub.broker("POST", "leases", bob, {"kernel_id": ka.id}, headers={"X-GPUSched-Server": "bobs-server"})
+    assert code == 404, body
+
+    # alice sees her own lease in full; a hub admin sees everyone's and may keep any lease.
+    mine = lease_of(hub, "alice", ka.id)
+    assert mine["kernel_id"] == ka.id and mine["user"] == "alice" and mine["mine"] is True
+    admin = hub.token("admin")
+    code, kept = hub.broker("POST", f"leases/{lease['id']}/keep", admin, {"seconds": 60})
+    assert code == 200 and kept["keep_until"] and kept["kernel_id"] == ka.id
+    assert lease_of(hub, "alice", ka.id)["state"] == mine["state"]
+
+
+def test_hostile_callers_get_clear_errors_and_the_ledger_stays_consistent(hub):
+    import websocket as wsclient
+
+    before = {le["id"]: (le["state"], le["devices"]) for le in admin_status(hub)["leases"]}
+    # No token, a forged token, a token in the wrong place.
+    code, body = hub.broker("GET", "status", None)
+    assert code == 403 and "token is required" in body["message"]
+    code, body = hub.broker("GET", "status", "forged0123456789abcdef")
+    assert code == 403 and "not valid" in body["message"]
+    code, body = hub.broker("POST", "leases", None, {"kernel_id": "k"})
+    assert code == 403
+    code, body = hub.call("GET", hub.broker_url + "api/gpusched/status?token=" + hub.token("bob"))
+    assert code == 403, "tokens in the URL are for websockets only"
+    code, body = hub.call("GET", hub.broker_url + "nowhere", hub.token("bob"))
+    assert code == 404
+    ws_url = hub.broker_url.replace("http://", "ws://") + "api/gpusched/servers/connect"
+    with pytest.raises(wsclient.WebSocketBadStatusException) as err:
+        wsclient.create_connection(ws_url, header=["X-GPUSched-Server: fake"], timeout=10)
+    assert err.value.status_code == 403
+
+    # Malformed bodies, each with its own message.
+    mallory = hub.token("mallory")
+    server = {"X-GPUSched-Server": "mallorys-server"}
+    bad = [
+        (b"{not json", "not valid JSON"),
+        (b"[1, 2]", "must be a JSON object"),
+        (json.dumps({"kernel_id": "k1", "gpus": 1}), "unknown field"),
+        (json.dumps({"kernel_id": ""}), "kernel_id"),
+        (json.dumps({"kernel_id": "../../etc"}), "kernel_id"),
+        (json.dumps({"kernel_id": "k1", "count": 0}), "count must be at least 1"),
+        (json.dumps({"kernel_id": "k1", "count": "two"}), "count must be a whole number"),
+        (json.dumps({"kernel_id": "k1", "count": 5}), "only 2"),
+        (json.dumps({"kernel_id": "k1", "memory": "lots"}), "memory"),
+        (json.dumps({"kernel_id": "k1", "memory": "900GiB"}), "largest GPU"),
+        (json.dumps({"kernel_id": "k1", "mode": "greedy"}), "mode must be"),
+        (json.dumps({"kernel_id": "k1", "wait": "forever"}), "wait"),
+    ]
+    for raw, words in bad:
+        code, body = hub.call(
+            "POST", hub.broker_url + "api/gpusched/leases", mallory, raw=raw,
+            headers={**server, "Content-Type": "application/json"},
+        )
+        assert code == 400 and words in body["message"], (raw, code, body)
+    code, body = hub.broker("POST", "leases/abc/keep", mallory, {})
+    assert code == 400 and "seconds is required" in body["message"]
+    code, body = hub.broker("POST", "leases/abc/keep", mallory, {"seconds": 5})
+    assert code == 404
+    uuid = admin_status(hub)["devices"][0]["uuid"]
+    code, body = hub.broker("POST", f"devices/{uuid}/drain", mallory, {})
+    assert code == 403 and "administrator" in body["message"]
+    code, body = hub.broker("POST", "devices/GPU-nope/drain", hub.token("admin"), {})
+    assert code == 404
+    code, body = hub.broker("POST", f"kernels/{hub.kernels['alice'].id}/ended", mallory, {})
+    assert code == 404, "mallory cannot end alice's kernel"
+
+    # A hostile "server": it cannot take over alice's kernel or alice's server id.
+    alice_server = next(s["server_id"] for s in admin_status(hub)["servers"] if s["user"] == "alice")
+    ws = wsclient.create_connection(
+        ws_url, header=[f"Authorization: token {mallory}", "X-GPUSched-Server: mallorys-server"], timeout=10
+    )
+    assert json.loads(ws.recv())["type"] == "welcome"
+    ws.send(json.dumps({"type": "heartbeat", "kernels": {hub.kernels["alice"].id: {"busy": True, "pid": 1}}}))
+    assert "another user" in json.loads(ws.recv())["message"]
+    ws.send("not json")
+    assert json.loads(ws.recv())["type"] == "error"
+    ws.close()
+    ws = wsclient.create_connection(
+        ws_url, header=[f"Authorization: token {mallory}", f"X-GPUSched-Server: {alice_server}"], timeout=10
+    )
+    try:
+        first = ws.recv()
+    except wsclient.WebSocketConnectionClosedException:
+        first = ""
+    assert "welcome" not in (first or ""), "another user's server id is refused"
+    ws.close()
+    assert any(s["server_id"] == alice_server and s["connected"] for s in admin_status(hub)["servers"])
+
+    # A flood of claims from one user: the first few wait (or are granted), the rest are refused.
+    results = []
+
+    def claim(i: int) -> None:
+        results.append(hub.broker("POST", "leases", mallory, {"kernel_id": f"flood-{i}"}, headers=server))
+
+    threads = [threading.Thread(target=claim, args=(i,)) for i in range(25)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    codes = sorted(code for code, _ in results)
+    assert len(codes) == 25 and set(codes) <= {201, 202, 409}, results
+    assert codes.count(202) <= 3
+    refused = [body for code, body in results if code == 409]
+    assert len(refused) >= 25 - 3 - 2 and all("claims waiting" in b["message"] for b in refused)
+    # Nothing mallory sent changed anyone else's lease; the ledger is sound.
+    after = {le["id"]: (le["state"], le["devices"]) for le in admin_status(hub)["leases"]}
+    for lease_id, (state, _) in before.items():
+        assert after.get(lease_id, (None,))[0] == state, (lease_id, before[lease_id], after.get(lease_id))
+    assert ledger_problems(hub) == []
+    for code, body in results:
+        if code in (201, 202):
+            assert hub.broker("DELETE", f"leases/{body['id']}", mallory)[0] == 204
+    assert not [le for le in admin_status(hub)["leases"] if le["kernel_id"] and le["kernel_id"].startswith("flood-")]
+    assert ledger_problems(hub) == []
+
+
+# -- the admin page -----------------------------------------------------------------------------
+def _login(hub: Hub, user: str) -> requests.Session:
+    """A browser session: the hub's login form, then the OAuth dance to the broker's page."""
+    session = requests.Session()
+    r = session.get(hub.broker_url, timeout=30)
+    assert r.url.startswith(hub.public_url + "hub/login"), r.url
+    xsrf = session.cookies.get("_xsrf", path="/hub/")
+    r = session.post(r.url, data={"username": user, "password": "x", "_xsrf": xsrf}, timeout=30)
+    assert r.status_code == 200 and r.url.rstrip("/") == hub.broker_url.rstrip("/"), (r.status_code, r.url)
+    return session
+
+
+def _xsrf_of(page: str) -> str:
+    marker = 'name="_xsrf" value="'
+    start = page.index(marker) + len(marker)
+    return page[start : page.index('"', start)]
+
+
+def test_the_admin_page_shows_the_host_and_drains(hub):
+    # A GPU process that belongs to no lease, as a user might start outside any kernel.
+    uuid0 = admin_status(hub)["devices"][0]["uuid"]
+    env = {**os.environ, "JUPYTER_GPUSCHED_SIM_STATE": hub.sim_state, "CUDA_VISIBLE_DEVICES": uuid0}
+    stray = subprocess.Popen(
+        [sys.executable, "-c", "from jupyter_gpusched.devices import simulated; import time; "
+         "simulated.allocate('1GiB'); print('up', flush=True); time.sleep(120)"],
+        env=env, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert stray.stdout.readline().strip() == "up"
+        status = until(
+            lambda: (s := admin_status(hub)) and any(p["pid"] == stray.pid for p in s["unleased_processes"]) and s,
+            30, "the stray GPU process to show", hub,
+        )
+        stray_entry = next(p for p in status["unleased_processes"] if p["pid"] == stray.pid)
+        assert stray_entry["unix_user"] == __import__("getpass").getuser()
+
+        admin = _login(hub, "admin")
+        page = admin.get(hub.broker_url, timeout=30).text
+        assert "GPUs of this host" in page and "(hub admin)" in page
+        assert "alice" in page and "bob" in page and str(stray.pid) in page
+        assert "GPU processes without a lease" in page and "Single-user servers" in page
+        # Drain GPU 0 from the page (a form with the page's XSRF token), then undrain it.
+        r = admin.post(hub.broker_url + f"admin/devices/{uuid0}/drain", data={"_xsrf": _xsrf_of(page)}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert next(d for d in admin_status(hub)["devices"] if d["uuid"] == uuid0)["health"] == "drained"
+        page = r.text
+        assert "Undrain" in page
+        r = admin.post(hub.broker_url + f"admin/devices/{uuid0}/drain", data={}, timeout=30)
+        assert r.status_code == 403, "a form without the XSRF token is refused"
+        r = admin.post(hub.broker_url + f"admin/devices/{uuid0}/undrain", data={"_xsrf": _xsrf_of(page)}, timeout=30)
+        assert r.status_code == 200
+        assert next(d for d in admin_status(hub)["devices"] if d["uuid"] == uuid0)["health"] == "ok"
+
+        # Another user sees the page as the REST API shows the host to them, without admin forms.
+        bob = _login(hub, "bob")
+        page = bob.get(hub.broker_url, timeout=30).text
+        assert "GPUs of this host" in page and "another user" in page and "alice" not in page
+        assert "Drain" not in page and str(stray.pid) not in page
+        r = bob.post(hub.broker_url + f"admin/devices/{uuid0}/drain", data={"_xsrf": _xsrf_of(page)}, timeout=30)
+        assert r.status_code == 403
+        # Metrics are for admins.
+        assert hub.call("GET", hub.broker_url + "metrics", hub.token("bob"))[0] == 403
+        admin_token = {"Authorization": f"token {hub.token('admin')}"}
+        r = requests.get(hub.broker_url + "metrics", headers=admin_token, timeout=30)
+        assert r.status_code == 200 and "gpusched_gpus_held" in r.text
+    finally:
+        stray.kill()
+        stray.wait(10)
+
+
+# -- servers that stop, a broker that restarts ----------------------------------------------------
+def test_stopping_a_users_server_releases_her_leases(hub):
+    ka = hub.kernels.pop("alice")
+    lease = lease_of(hub, "alice", ka.id)
+    assert lease is not None and lease["state"] in ("active", "idle")
+    ka.close()
+    hub.stop_server("alice")
+    admin = hub.token("admin")
+
+    def released():
+        code, got = hub.broker("GET", f"leases/{lease['id']}", admin)
+        return code == 200 and got["state"] == "released" and got
+
+    got = until(released, 60, "alice's lease to be released", hub)
+    assert "shut down" in got["reason"] or "gone" in got["reason"]
+    assert not any(le["user"] == "alice" and le["state"] != "released" for le in admin_status(hub)["leases"])
+    assert ledger_problems(hub) == []
+
+
+def test_restarting_the_broker_keeps_the_ledger_and_running_kernels_leases(hub):
+    kb = hub.kernels["bob"]
+    lease = lease_of(hub, "bob", kb.id)
+    assert lease is not None and lease["state"] in ("active", "idle")
+    old = hub.broker_process()
+    assert old is not None
+    old.send_signal(signal.SIGTERM)
+
+    def exited() -> bool:  # a zombie until the hub reaps it
+        try:
+            return old.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    until(exited, 30, "the broker to stop on SIGTERM", hub)
+    # The hub notices (it polls its services) and starts the broker again.
+    def restarted():
+        proc = hub.broker_process()
+        return proc if proc is not None and proc.pid != old.pid else None
+
+    new = until(restarted, 90, "the hub to restart the broker", hub)
+    assert new.pid != old.pid
+    assert "Service gpusched exited with status 0" in hub.log_path.read_text(), "it stopped cleanly on SIGTERM"
+    hub.wait_broker(60)
+
+    def bob_connected():
+        servers = admin_status(hub)["servers"]
+        return any(s["user"] == "bob" and s["connected"] and kb.id in s["kernels"] for s in servers)
+
+    until(bob_connected, 60, "bob's server to reconnect", hub)
+    again = lease_of(hub, "bob", kb.id)
+    assert again["id"] == lease["id"] and again["devices"] == lease["devices"]
+    assert again["state"] in ("active", "idle")
+    out = kb.execute(VISIBLE)
+    assert visible(out) == lease["devices"][0]
+    assert lease_of(hub, "bob", kb.id)["id"] == lease["id"], "no new claim was needed"
+    assert ledger_problems(hub) == []

@@ -1,0 +1,205 @@
+"""Hub mode without a hub: the broker's view of remote kernels, and its command line.
+
+The rules tested here decide when a lease of a kernel on another server is released: a kernel
+whose server says it ended; one whose server stopped and whose processes are gone; one whose
+server fell silent, unless its processes still hold a GPU (then it is reported as left behind).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jupyter_gpusched.hub.remote import HeartbeatError, RemoteKernels, parse_kernel_report
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Conn:
+    def __init__(self) -> None:
+        self.orders: list[tuple[str, str]] = []
+
+    async def order(self, action: str, kernel_id: str) -> None:
+        self.orders.append((action, kernel_id))
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+@pytest.fixture
+def gpu():
+    return set()
+
+
+@pytest.fixture
+def kernels(clock, gpu):
+    return RemoteKernels("broker", heartbeat_timeout=10, launch_grace=60, clock=clock, gpu_pids=lambda: set(gpu))
+
+
+@pytest.fixture
+def child():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield proc
+    proc.kill()
+    proc.wait(10)
+
+
+def beat(kernels, server_id, **reports):
+    return kernels.heartbeat(server_id, {kid: dict(info) for kid, info in reports.items()})
+
+
+def test_a_reported_kernel_is_alive_and_ends_when_its_server_stops_reporting_it(kernels, clock, child):
+    kernels.connect("s1", "alice", 100, Conn())
+    assert beat(kernels, "s1", k1={"busy": True, "pid": child.pid, "pids": [child.pid]}) == []
+    assert kernels.alive("k1") is True and kernels.user_of("k1") == "alice"
+    assert kernels.activity()["k1"][0] is True
+    assert kernels.kernel_pid("k1") == child.pid and kernels.process_tree("k1") == {child.pid}
+    beat(kernels, "s1")
+    assert kernels.alive("k1") is False and kernels.user_of("k1") == "alice"
+    assert kernels.alive("never-seen") is None
+
+
+def test_a_kernel_belongs_to_the_first_user_and_never_changes_hands(kernels):
+    kernels.connect("s1", "alice", None, Conn())
+    kernels.connect("s2", "mallory", None, Conn())
+    beat(kernels, "s1", k1={})
+    problems = beat(kernels, "s2", k1={"busy": True})
+    assert problems and "another user" in problems[0]
+    assert kernels.user_of("k1") == "alice"
+    with pytest.raises(PermissionError):
+        kernels.register("k1", "mallory", "s2")
+    with pytest.raises(PermissionError):
+        kernels.connect("s1", "mallory", None, Conn())
+    with pytest.raises(PermissionError):
+        kernels.register("k9", "mallory", "s1")
+    # An ended kernel's id stays its user's.
+    beat(kernels, "s1")
+    with pytest.raises(PermissionError):
+        kernels.register("k1", "mallory", "s2")
+
+
+def test_pids_of_another_users_kernel_are_not_taken(kernels, child):
+    kernels.connect("s1", "alice", None, Conn())
+    kernels.connect("s2", "mallory", None, Conn())
+    beat(kernels, "s1", k1={"pid": child.pid, "pids": [child.pid]})
+    beat(kernels, "s2", k2={"pid": child.pid, "pids": [child.pid, 4242]})
+    assert kernels.kernel_pid("k2") is None and kernels.process_tree("k2") == {4242}
+    assert kernels.process_tree("k1") == {child.pid}
+
+
+def test_a_claimed_kernel_is_alive_while_it_launches(kernels, clock):
+    kernels.connect("s1", "alice", None, Conn())
+    kernels.register("k1", "alice", "s1")
+    beat(kernels, "s1")  # a heartbeat sent before the kernel existed
+    assert kernels.alive("k1") is True
+    clock.now += 61
+    assert kernels.alive("k1") is False
+
+
+def test_a_stopped_servers_kernels_go_with_their_processes(kernels, clock, child):
+    conn = Conn()
+    kernels.connect("s1", "alice", None, conn)
+    beat(kernels, "s1", k1={"pid": child.pid, "pids": [child.pid]})
+    kernels.disconnect("s1", conn)
+    assert kernels.alive("k1") is True, "just disconnected: the kernel's process still runs"
+    assert kernels.activity()["k1"][0] is False
+    child.kill()
+    child.wait(10)
+    assert kernels.alive("k1") is False
+
+
+def test_a_silent_servers_kernels_keep_their_leases_only_while_on_a_gpu(kernels, clock, gpu, child):
+    kernels.connect("s1", "alice", None, Conn())
+    beat(kernels, "s1", k1={"pid": child.pid, "pids": [child.pid]})
+    clock.now += 5
+    assert kernels.alive("k1") is True
+    clock.now += 10  # silent past the timeout, the socket never closed
+    assert kernels.alive("k1") is False, "not on a GPU: its lease can go"
+    gpu.add(child.pid)
+    assert kernels.alive("k1") is True, "its process still holds a GPU: left behind, reported"
+    stranded = kernels.stranded()
+    assert stranded == [{"pid": child.pid, "kernel_id": "k1", "user": "alice", "server_id": "s1"}]
+    assert kernels.servers()[0]["connected"] is False
+
+
+def test_orders_go_to_the_kernels_server(kernels):
+    conn = Conn()
+    kernels.connect("s1", "alice", None, conn)
+    beat(kernels, "s1", k1={})
+    asyncio.run(kernels.restart("k1"))
+    asyncio.run(kernels.shutdown("k1"))
+    assert conn.orders == [("restart", "k1"), ("shutdown", "k1")]
+    kernels.disconnect("s1", conn)
+    with pytest.raises(RuntimeError, match="not connected"):
+        asyncio.run(kernels.restart("k1"))
+
+
+@pytest.mark.parametrize(
+    "kernel_id, info, words",
+    [
+        ("../x", {}, "not a kernel id"),
+        ("k1", [], "must be an object"),
+        ("k1", {"pid": "12"}, "pid must be"),
+        ("k1", {"pid": -1}, "pid must be"),
+        ("k1", {"pids": "1,2"}, "pids must be"),
+        ("k1", {"pids": list(range(1, 5000))}, "at most"),
+        ("k1", {"last_busy_at": "yesterday"}, "last_busy_at"),
+        ("k1", {"notebook": "x" * 2000}, "notebook"),
+    ],
+)
+def test_malformed_heartbeat_entries_are_refused(kernel_id, info, words):
+    with pytest.raises(HeartbeatError, match=words):
+        parse_kernel_report(kernel_id, info)
+
+
+def test_a_malformed_heartbeat_leaves_the_rest_alone(kernels):
+    kernels.connect("s1", "alice", None, Conn())
+    with pytest.raises(HeartbeatError):
+        kernels.heartbeat("s1", ["k1"])
+    with pytest.raises(HeartbeatError):
+        kernels.heartbeat("unknown", {})
+    problems = beat(kernels, "s1", k1={"pid": "x"}, k2={})
+    assert len(problems) == 1 and kernels.alive("k2") is True
+
+
+def test_the_broker_command_returns_an_exit_status(tmp_path, capsys):
+    from jupyter_gpusched.cli import main
+
+    assert main(["broker", "--help"]) == 0
+    assert main(["broker", "--GPUBroker.policy=greedy"]) == 2
+    assert "policy" in capsys.readouterr().err
+    assert main(["broker", f"--config={tmp_path / 'missing.py'}"]) == 2
+    assert main(["broker", "--GPUBroker.heartbeat_interval=30", "--GPUBroker.heartbeat_timeout=10"]) == 2
+
+
+def test_the_broker_reads_its_settings_from_the_hub_config(tmp_path):
+    from jupyter_gpusched.hub.broker import GPUBroker
+
+    config = tmp_path / "jupyterhub_config.py"
+    config.write_text(
+        "c = get_config()\n"
+        "c.JupyterHub.services = [{'name': 'gpusched'}]\n"
+        "c.GPUBroker.quotas = {'group:staff': 2, '*': 1}\n"
+        "c.GPUBroker.max_pending_per_user = 7\n"
+        "c.GPUBroker.policy = 'dynamic'\n"
+    )
+    app = GPUBroker()
+    app.initialize([f"--config={config}", "--GPUBroker.policy=hybrid"])
+    cfg = app.sched_config()
+    assert cfg.quotas == {"group:staff": 2, "*": 1} and cfg.max_pending_per_user == 7
+    assert cfg.policy == "hybrid", "the command line wins over the file"
+    os.environ.pop("JUPYTERHUB_SERVICE_URL", None)
+    assert app.listen_address() == ("127.0.0.1", 10101)
+    assert app.prefix == "/services/gpusched/"
