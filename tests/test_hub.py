@@ -23,7 +23,7 @@ import psutil
 import pytest
 import requests
 
-from jupyter_gpusched.hub.testing import EXAMPLE, Hub, start_kernel
+from jupyter_gpusched.hub.testing import EXAMPLE, Hub, Kernel, start_kernel
 from jupyter_gpusched.ledger import Ledger
 
 pytestmark = [pytest.mark.hub, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -103,6 +103,28 @@ def admin_status(hub: Hub) -> dict:
     code, status = hub.broker("GET", "status", hub.token("admin"))
     assert code == 200, status
     return status
+
+
+def events_socket(hub: Hub, user: str):
+    """The events websocket of a user's server, as JupyterLab opens it."""
+    import websocket as wsclient
+
+    url = hub.server_url(user).replace("http://", "ws://") + "api/gpusched/events"
+    return wsclient.create_connection(url, header=[f"Authorization: token {hub.token(user)}"], timeout=30)
+
+
+def read_events(ws, seconds: float) -> list[dict]:
+    import websocket as wsclient
+
+    out = []
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        ws.settimeout(left)
+        try:
+            out.append(json.loads(ws.recv()))
+        except wsclient.WebSocketTimeoutException:
+            break
+    return out
 
 
 def ledger_problems(hub: Hub) -> list[str]:
@@ -248,8 +270,35 @@ def test_a_user_can_neither_touch_nor_see_another_users_lease(hub):
     mine = lease_of(hub, "alice", ka.id)
     assert mine["kernel_id"] == ka.id and mine["user"] == "alice" and mine["mine"] is True
     admin = hub.token("admin")
-    code, kept = hub.broker("POST", f"leases/{lease['id']}/keep", admin, {"seconds": 60})
-    assert code == 200 and kept["keep_until"] and kept["kernel_id"] == ka.id
+    # The events websockets of both servers (what JupyterLab listens to) as the admin keeps it:
+    # alice hears about her lease in full, bob only that another user's lease changed.
+    alice_ws, bob_ws = events_socket(hub, "alice"), events_socket(hub, "bob")
+    try:
+        for ws in (alice_ws, bob_ws):
+            snapshot = json.loads(ws.recv())
+            assert snapshot["type"] == "snapshot" and snapshot["mode"] == "hub"
+        assert ka.id not in json.dumps(snapshot), "bob's snapshot does not name alice's kernel"
+        heard: dict[str, list[dict]] = {"alice": [], "bob": []}
+
+        def kept_and_heard() -> bool:
+            code, kept = hub.broker("POST", f"leases/{lease['id']}/keep", admin, {"seconds": 60})
+            assert code == 200 and kept["keep_until"] and kept["kernel_id"] == ka.id
+            for user, ws in (("alice", alice_ws), ("bob", bob_ws)):
+                heard[user] += read_events(ws, 1.0)
+            return any(e["type"] == "notice" and e["kind"] == "kept" for e in heard["alice"]) and any(
+                e["type"] == "lease" and e["lease"]["id"] == lease["id"] for e in heard["bob"]
+            )
+
+        until(kept_and_heard, 30, "the servers' events", hub)
+        notice = next(e for e in heard["alice"] if e["type"] == "notice" and e["kind"] == "kept")
+        assert notice["kernel_id"] == ka.id
+        assert not [e for e in heard["bob"] if e["type"] == "notice"], "notices are for their user only"
+        theirs = [e["lease"] for e in heard["bob"] if e["type"] == "lease" and e["lease"]["id"] == lease["id"]]
+        assert all(le["user"] == "another user" and le["kernel_id"] is None for le in theirs)
+        assert ka.id not in json.dumps(heard["bob"])
+    finally:
+        alice_ws.close()
+        bob_ws.close()
     assert lease_of(hub, "alice", ka.id)["state"] == mine["state"]
 
 
@@ -483,4 +532,14 @@ def test_restarting_the_broker_keeps_the_ledger_and_running_kernels_leases(hub):
     out = kb.execute(VISIBLE)
     assert visible(out) == lease["devices"][0]
     assert lease_of(hub, "bob", kb.id)["id"] == lease["id"], "no new claim was needed"
+
+    # bob restarts his kernel: the lease stays with it (the provisioner asks the broker).
+    code, _ = hub.server("bob", "POST", f"api/kernels/{kb.id}/restart", {})
+    assert code == 200
+    kb.close()
+    kb = hub.kernels["bob"] = Kernel(hub, "bob", kb.id)
+    kb.ready()
+    out = kb.execute(VISIBLE)
+    assert visible(out) == lease["devices"][0]
+    assert lease_of(hub, "bob", kb.id)["id"] == lease["id"]
     assert ledger_problems(hub) == []

@@ -203,3 +203,17 @@ def test_the_broker_reads_its_settings_from_the_hub_config(tmp_path):
     os.environ.pop("JUPYTERHUB_SERVICE_URL", None)
     assert app.listen_address() == ("127.0.0.1", 10101)
     assert app.prefix == "/services/gpusched/"
+
+
+def test_kernels_claimed_for_but_never_reported_are_forgotten(kernels, clock):
+    kernels.register("ghost", "mallory", "nowhere")
+    kernels.register("refused", "mallory", "nowhere")
+    kernels.unregister("refused")
+    assert kernels.user_of("refused") is None
+    assert kernels.alive("ghost") is True
+    clock.now += 61
+    kernels.prune()
+    assert kernels.alive("ghost") is False and not kernels.known("ghost")
+    clock.now += 11
+    kernels.prune()
+    assert kernels.servers() == []

@@ -134,6 +134,7 @@ class Broker:
         owner = self.kernels.user_of(kernel_id)
         if owner is not None and owner != who.user:
             raise NotFound(f"no running kernel {kernel_id!r} on your servers")
+        registered = False
         if not self.kernels.known(kernel_id):
             if not who.server_id:
                 raise NotFound(
@@ -146,7 +147,13 @@ class Broker:
                 raise Forbidden(str(exc)) from None
             except ValueError as exc:
                 raise BadRequest(str(exc)) from None
-        return await self.arbiter.claim(who, kernel_id, count, memory, mode, priority, wait)
+            registered = True
+        try:
+            return await self.arbiter.claim(who, kernel_id, count, memory, mode, priority, wait)
+        except ArbiterError:
+            if registered:
+                self.kernels.unregister(kernel_id)  # a refused claim leaves nothing behind
+            raise
 
     async def release(self, who: Principal, lease_id: str) -> None:
         self._check_owner(who, lease_id)

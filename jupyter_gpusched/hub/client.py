@@ -130,6 +130,8 @@ class BrokerClient(Arbiter):
 
     async def stop(self) -> None:
         self._stopping = True
+        if self._ws is not None:
+            self._ws.close(1001, "the server is stopping")
         if self._task is not None:
             self._task.cancel()
             try:
@@ -201,6 +203,7 @@ class BrokerClient(Arbiter):
                     self._on_message(message)
             finally:
                 beats.cancel()
+                ws.close()
                 self._ws = None
                 if self._connected is not None:
                     self._connected.clear()

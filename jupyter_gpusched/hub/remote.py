@@ -308,6 +308,16 @@ class RemoteKernels:
             kernel = self._kernels[kernel_id] = RemoteKernel(kernel_id, user, server_id, now)
             server.kernels[kernel_id] = kernel
 
+    def unregister(self, kernel_id: str) -> None:
+        """Undo :meth:`register` for a kernel no server has reported (its claim was refused)."""
+        kernel = self._kernels.get(kernel_id)
+        if kernel is None or kernel.reported:
+            return
+        del self._kernels[kernel_id]
+        server = self._servers.get(kernel.server_id)
+        if server is not None:
+            server.kernels.pop(kernel_id, None)
+
     def ended(self, kernel_id: str, why: str = "its server says it ended") -> None:
         self._forget(kernel_id, why)
 
@@ -326,11 +336,14 @@ class RemoteKernels:
         return out
 
     def prune(self) -> None:
-        """Forget long-ended kernels and servers that are gone with nothing left."""
+        """Forget long-ended kernels, kernels claimed for but never reported, and servers gone with nothing left."""
         now = self.clock()
         for kernel_id, (_, at) in list(self._ended.items()):
             if now - at > ENDED_MEMORY:
                 del self._ended[kernel_id]
+        for kernel_id, kernel in list(self._kernels.items()):
+            if not kernel.reported and now - kernel.registered > self.launch_grace:
+                self._forget(kernel_id, "no server ever reported it")
         for server_id, server in list(self._servers.items()):
             if server.connection is None and not server.kernels and self._silent_for(server, now) > self.heartbeat_timeout:
                 del self._servers[server_id]
