@@ -132,6 +132,15 @@ def ledger_problems(hub: Hub) -> list[str]:
         return ledger.check()
 
 
+def assert_ledger_sound(hub: Hub, timeout: float = 15.0) -> None:
+    """The ledger's own audit finds nothing, once in-flight changes settle (a restarted kernel's
+    new process becomes its lease's owner at the broker's next pass after the heartbeat)."""
+    deadline = time.monotonic() + timeout
+    while (problems := ledger_problems(hub)) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert problems == []
+
+
 # -- the users' servers ---------------------------------------------------------------------------
 def test_a_users_server_is_in_hub_mode_and_answers_for_its_user(hub):
     code, status = hub.server("alice", "GET", "api/gpusched/status")
@@ -218,7 +227,7 @@ def test_users_share_two_gpus_through_the_broker(hub):
     assert [le["state"] for le in leases_of(hub, "bob", kb2.id)] == ["pending"]
     assert lease_of(hub, "carol", kc.id) is None
     assert lease_of(hub, "bob", kb.id)["id"] == lease_b["id"]
-    assert ledger_problems(hub) == []
+    assert_ledger_sound(hub)
 
     # bob gives up on his second kernel: shutting it down withdraws the claim.
     code, _ = hub.server("bob", "DELETE", f"api/kernels/{kb2.id}")
@@ -345,6 +354,8 @@ def test_hostile_callers_get_clear_errors_and_the_ledger_stays_consistent(hub):
             headers={**server, "Content-Type": "application/json"},
         )
         assert code == 400 and words in body["message"], (raw, code, body)
+    code, body = hub.broker("POST", "leases", mallory, {"kernel_id": "k1", "priority": 100}, headers=server)
+    assert code == 403 and "priority" in body["message"]
     code, body = hub.broker("POST", "leases/abc/keep", mallory, {})
     assert code == 400 and "seconds is required" in body["message"]
     code, body = hub.broker("POST", "leases/abc/keep", mallory, {"seconds": 5})
@@ -399,12 +410,12 @@ def test_hostile_callers_get_clear_errors_and_the_ledger_stays_consistent(hub):
     after = {le["id"]: (le["state"], le["devices"]) for le in admin_status(hub)["leases"]}
     for lease_id, (state, _) in before.items():
         assert after.get(lease_id, (None,))[0] == state, (lease_id, before[lease_id], after.get(lease_id))
-    assert ledger_problems(hub) == []
+    assert_ledger_sound(hub)
     for code, body in results:
         if code in (201, 202):
             assert hub.broker("DELETE", f"leases/{body['id']}", mallory)[0] == 204
     assert not [le for le in admin_status(hub)["leases"] if le["kernel_id"] and le["kernel_id"].startswith("flood-")]
-    assert ledger_problems(hub) == []
+    assert_ledger_sound(hub)
 
 
 # -- the admin page -----------------------------------------------------------------------------
@@ -493,7 +504,7 @@ def test_stopping_a_users_server_releases_her_leases(hub):
     got = until(released, 60, "alice's lease to be released", hub)
     assert "shut down" in got["reason"] or "gone" in got["reason"]
     assert not any(le["user"] == "alice" and le["state"] != "released" for le in admin_status(hub)["leases"])
-    assert ledger_problems(hub) == []
+    assert_ledger_sound(hub)
 
 
 def test_restarting_the_broker_keeps_the_ledger_and_running_kernels_leases(hub):
@@ -542,4 +553,4 @@ def test_restarting_the_broker_keeps_the_ledger_and_running_kernels_leases(hub):
     out = kb.execute(VISIBLE)
     assert visible(out) == lease["devices"][0]
     assert lease_of(hub, "bob", kb.id)["id"] == lease["id"]
-    assert ledger_problems(hub) == []
+    assert_ledger_sound(hub)

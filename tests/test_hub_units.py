@@ -217,3 +217,18 @@ def test_kernels_claimed_for_but_never_reported_are_forgotten(kernels, clock):
     clock.now += 11
     kernels.prune()
     assert kernels.servers() == []
+
+
+def test_a_kernel_whose_process_died_but_is_still_listed_is_restarting(kernels, child):
+    conn = Conn()
+    kernels.connect("s1", "alice", None, conn)
+    beat(kernels, "s1", k1={"pid": child.pid, "pids": [child.pid]})
+    assert kernels.restarting("k1") is False
+    child.kill()
+    child.wait(10)
+    assert kernels.restarting("k1") is True, "the server restarts it: a new process takes over"
+    assert kernels.alive("k1") is True
+    beat(kernels, "s1", k1={"pid": os.getpid(), "pids": [os.getpid()]})
+    assert kernels.restarting("k1") is False and kernels.kernel_pid("k1") == os.getpid()
+    beat(kernels, "s1", k1={"restarting": True, "pid": os.getpid()})
+    assert kernels.restarting("k1") is True

@@ -131,6 +131,10 @@ class Broker:
         wait: float,
     ) -> ClaimResult:
         self._check_kernel_principal(who)
+        if priority > 0 and not who.admin:
+            # The fair queue orders users by their share first; priority breaks ties. Users may
+            # lower theirs, but raising it would let anyone jump ahead of everyone else.
+            raise Forbidden("only a hub admin can raise a claim's priority above 0")
         owner = self.kernels.user_of(kernel_id)
         if owner is not None and owner != who.user:
             raise NotFound(f"no running kernel {kernel_id!r} on your servers")

@@ -126,13 +126,27 @@ def _running(pid: int, started: float | None = None) -> bool:
     """Whether ``pid`` runs (and, given ``started``, is still the process that started then)."""
     try:
         proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return False
-        return started is None or abs(proc.create_time() - started) < 1.0
+        with proc.oneshot():
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return False
+            return started is None or abs(proc.create_time() - started) < 1.0
     except psutil.NoSuchProcess:
         return False
     except psutil.AccessDenied:
         return True
+
+
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` has exited (or is a zombie); cheap, as it runs for every lease on every pass."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return not _running(pid)  # no /proc here: ask psutil
+    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
+    return state in (b"Z", b"X")
 
 
 class RemoteKernels:
@@ -416,8 +430,23 @@ class RemoteKernels:
         return bool(running & self.gpu_pids())
 
     def restarting(self, kernel_id: str) -> bool:
+        """Being restarted: its server says so, or still lists it while its process is gone.
+
+        A restart kills the kernel's process between two heartbeats; the server's kernel manager
+        keeps the kernel (and a new process takes over), so its lease stays.
+        """
         kernel = self._kernels.get(kernel_id)
-        return kernel is not None and kernel.restarting
+        if kernel is None:
+            return False
+        if kernel.restarting:
+            return True
+        server = self._servers.get(kernel.server_id)
+        return (
+            kernel.reported
+            and kernel.pid is not None
+            and self._connected(server, self.clock())
+            and _gone(kernel.pid)
+        )
 
     def kernel_pid(self, kernel_id: str) -> int | None:
         kernel = self._kernels.get(kernel_id)
