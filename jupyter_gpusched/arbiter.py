@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import dataclasses
 import logging
-import os
 import time
 import uuid as uuidlib
 from dataclasses import dataclass, field, replace
-from typing import Any, Awaitable, Callable, Iterable, Mapping, Protocol
+from typing import Any, Callable, Iterable, Mapping, Protocol
 
 from . import core
 from .core import Capabilities, KernelActivity, Lease, LeaseState, SchedConfig, Step
@@ -373,7 +371,7 @@ class LocalArbiter(Arbiter):
         change: Callable[[Any, list[Lease], list[core.Device]], Any] | None,
     ) -> tuple[core.Plan, dict[str, Lease], list[dict], Any]:
         """One transaction: reap the dead, apply ``change`` (a claim, say), plan, persist."""
-        notices: list[dict] = []
+        notices: list[dict | ArbiterEvent] = []
         with self.ledger.transaction(self.clock()) as tx:
             now = tx.now
             drained = tx.drained()
@@ -395,7 +393,7 @@ class LocalArbiter(Arbiter):
             self.state.drained = dict(drained)
         return plan, before, notices, outcome
 
-    def _reap(self, tx, leases: list[Lease], now: float, devices, notices: list[dict]) -> list[Lease]:
+    def _reap(self, tx, leases: list[Lease], now: float, devices, notices: list[dict | ArbiterEvent]) -> list[Lease]:
         """Release leases whose kernels are gone and leases on lost GPUs."""
         owners = tx.owners()
         lost = {d.uuid: d for d in devices if d.health == core.Health.LOST}
@@ -415,7 +413,8 @@ class LocalArbiter(Arbiter):
                 tx.put(done)
                 self._remember(done)
                 log.info("lease %s of kernel %s released: %s", lease.id, lease.kernel_id, gone)
-                self.publish(ArbiterEvent("lease", lease=done))
+                # This runs in a worker thread: the event is published on the loop, after the plan.
+                notices.append(ArbiterEvent("lease", lease=done))
                 continue
             on_lost = [u for u in lease.devices if u in lost]
             if on_lost and lease.holding:
@@ -463,7 +462,7 @@ class LocalArbiter(Arbiter):
             if adopted is not None:
                 adopted(lease.kernel_id)
 
-    async def _after_plan(self, plan: core.Plan, before: Mapping[str, Lease], notices: list[dict]) -> None:
+    async def _after_plan(self, plan: core.Plan, before: Mapping[str, Lease], notices: list[dict | ArbiterEvent]) -> None:
         now = self.clock()
         for decision in plan.decisions:
             lease = decision.lease
@@ -507,7 +506,7 @@ class LocalArbiter(Arbiter):
             if lease is not None and lease.state != LeaseState.PENDING:
                 self._wake(lease_id)
         for notice in notices:
-            self.publish(ArbiterEvent("notice", notice=notice))
+            self.publish(notice if isinstance(notice, ArbiterEvent) else ArbiterEvent("notice", notice=notice))
         self._carry_out_due(plan.leases)
         if self.metrics is not None:
             self.metrics.update(self.state.snapshot, plan.leases, plan.queue)

@@ -7,7 +7,6 @@ the kernels themselves run for real and talk to the server over HTTP.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import pytest
@@ -94,7 +93,6 @@ async def test_kernels_share_two_gpus_through_idle_reclaim(
     await arbiter.tick()
 
     # Kernel 1 held GPU memory, so the ladder checkpoints it rather than killing it.
-    got1 = (await api(jp_fetch, "leases", lease1["id"]))[1]
     await _until(
         lambda: _state_is(jp_fetch, lease1["id"], "suspended"), what="kernel 1 to be suspended"
     )

@@ -49,7 +49,7 @@ from ..arbiter import (
     NotFound,
 )
 from ..core import Lease, SchedulingError, parse_memory
-from ..server.app import SchedulingConfig, open_inventory
+from ..config import SchedulingConfig, open_inventory
 from ..views import Principal, iso
 from .remote import ID_PATTERN, HeartbeatError, RemoteKernels
 

@@ -1,0 +1,181 @@
+"""Scheduling settings shared by the server extension (``GPUSchedApp``) and the hub broker.
+
+Kept apart from the server so that the broker starts without importing jupyter_server.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from jupyter_core.paths import jupyter_runtime_dir
+from traitlets import Dict, Float, Int, List, TraitError, Unicode, Union, validate
+from traitlets.config import Configurable
+
+from . import core
+from .core.model import FALLBACKS, POLICIES
+
+from .devices.base import BACKENDS
+SCHEDULING_TRAITS = (
+    "policy",
+    "idle_timeout",
+    "contended_idle_timeout",
+    "release_timeout",
+    "grace_period",
+    "reclaim_fallback",
+    "checkpoint",
+    "idle_utilization_threshold",
+    "max_keep",
+    "quotas",
+)
+
+
+class SchedulingConfig(Configurable):
+    """The scheduling traits shared by ``GPUSchedApp`` and the hub's ``GPUBroker``."""
+
+    backend = Unicode(
+        "auto",
+        help="""GPU inventory: 'nvml' (NVIDIA driver), 'simulated' (GPUs that exist only in this
+        process, for trying things out and for tests), or 'auto': NVML if it loads, else no GPUs
+        and a warning. 'auto' never falls back to simulated GPUs.""",
+    ).tag(config=True)
+
+    simulated_devices = Union(
+        [Int(), List(Dict())],
+        default_value=4,
+        help="""Simulated GPUs: a number (that many 80 GiB GPUs) or a list of
+        {"name", "memory", "mig"} dicts. Used only with backend = 'simulated'.""",
+    ).tag(config=True)
+
+    policy = Unicode(
+        "hybrid",
+        help="""'static' (GPUs bound at kernel start, held until the kernel ends), 'dynamic' (bind
+        at the first cell, take idle GPUs back when someone waits) or 'hybrid' (dynamic, with a
+        guaranteed share per user from `quotas`).""",
+    ).tag(config=True)
+
+    idle_timeout = Float(
+        300.0, help="Seconds without execution and GPU use before a lease counts as idle."
+    ).tag(config=True)
+
+    contended_idle_timeout = Float(
+        60.0, help="Seconds an idle lease above its user's quota is kept while someone waits."
+    ).tag(config=True)
+
+    release_timeout = Float(
+        3600.0,
+        help="""Seconds an idle lease is kept while nobody waits before it is taken back; 0 keeps
+        it forever. Gentle steps (release, checkpoint) may come sooner for kernels whose pauses
+        are usually long.""",
+    ).tag(config=True)
+
+    grace_period = Float(
+        60.0, help="Seconds of notice before a reclaim that loses the kernel's state (restart, shutdown)."
+    ).tag(config=True)
+
+    reclaim_fallback = Unicode(
+        "restart",
+        help="""What to do when an idle GPU must be taken back and no gentle step applies:
+        'restart' or 'shutdown' the kernel after `grace_period`, or 'none' (never disrupt).""",
+    ).tag(config=True)
+
+    checkpoint = Unicode(
+        "auto", help="'auto': suspend idle kernels' GPU state with CUDA checkpoints where possible; 'off': never."
+    ).tag(config=True)
+
+    idle_utilization_threshold = Float(
+        5.0, help="Percent of GPU utilization by a kernel's processes under which it counts as not using the GPU."
+    ).tag(config=True)
+
+    max_keep = Float(7200.0, help="Longest `%gpu keep`, in seconds; 0 forbids keeping.").tag(config=True)
+
+    quotas = Dict(
+        {},
+        help="""Guaranteed GPUs: {"user:alice": 2, "group:students": 1, "*": 1}. Empty: each user is
+        guaranteed a fair share of the host (GPUs / users with leases).""",
+    ).tag(config=True)
+
+    ledger_path = Unicode(
+        "",
+        help="""SQLite file of the lease ledger; empty: gpusched.sqlite in the Jupyter runtime
+        directory. Servers of one Unix user that point at the same file share the GPUs.""",
+    ).tag(config=True)
+
+    poll_interval = Float(2.0, help="Seconds between reconcile ticks.").tag(config=True)
+
+    @validate("backend")
+    def _valid_backend(self, proposal):
+        if proposal["value"] not in BACKENDS:
+            raise TraitError(f"backend must be one of {', '.join(BACKENDS)}, not {proposal['value']!r}")
+        return proposal["value"]
+
+    @validate("policy")
+    def _valid_policy(self, proposal):
+        if proposal["value"] not in POLICIES:
+            raise TraitError(f"policy must be one of {', '.join(POLICIES)}, not {proposal['value']!r}")
+        return proposal["value"]
+
+    @validate("reclaim_fallback")
+    def _valid_fallback(self, proposal):
+        if proposal["value"] not in FALLBACKS:
+            raise TraitError(f"reclaim_fallback must be one of {', '.join(FALLBACKS)}, not {proposal['value']!r}")
+        return proposal["value"]
+
+    @validate("checkpoint")
+    def _valid_checkpoint(self, proposal):
+        if proposal["value"] not in ("auto", "off"):
+            raise TraitError(f"checkpoint must be 'auto' or 'off', not {proposal['value']!r}")
+        return proposal["value"]
+
+    @validate(
+        "idle_timeout", "contended_idle_timeout", "release_timeout", "grace_period", "max_keep"
+    )
+    def _non_negative(self, proposal):
+        if proposal["value"] < 0:
+            raise TraitError(f"{proposal['trait'].name} must be 0 or more seconds")
+        return proposal["value"]
+
+    @validate("poll_interval")
+    def _positive_poll(self, proposal):
+        if proposal["value"] <= 0:
+            raise TraitError("poll_interval must be more than 0 seconds")
+        return proposal["value"]
+
+    @validate("idle_utilization_threshold")
+    def _percent(self, proposal):
+        if not 0 <= proposal["value"] <= 100:
+            raise TraitError("idle_utilization_threshold is a percentage between 0 and 100")
+        return proposal["value"]
+
+    @validate("quotas")
+    def _valid_quotas(self, proposal):
+        for key, value in proposal["value"].items():
+            if key != "*" and not (key.startswith("user:") or key.startswith("group:")):
+                raise TraitError(f"quota key {key!r} must be 'user:NAME', 'group:NAME' or '*'")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise TraitError(f"quota for {key!r} must be a number of GPUs (0 or more)")
+        return proposal["value"]
+
+    def sched_config(self) -> core.SchedConfig:
+        return core.SchedConfig(**{name: getattr(self, name) for name in SCHEDULING_TRAITS})
+
+    def resolved_ledger_path(self) -> str:
+        return self.ledger_path or os.path.join(jupyter_runtime_dir(), "gpusched.sqlite")
+
+
+def open_inventory(backend: str, simulated_devices: Any, state_path: str | None, log) -> tuple[Any, str]:
+    """The device backend, or None with a note that says why there are no GPUs."""
+    from .devices.base import InventoryUnavailable, open_backend
+
+    try:
+        device_backend = open_backend(backend, simulated_devices=simulated_devices, state_path=state_path)
+        snap = device_backend.snapshot()
+    except InventoryUnavailable as exc:
+        if backend == "auto":
+            log.warning("GPU scheduler: no GPUs found. %s", exc)
+            return None, str(exc)
+        raise
+    log.info("GPU scheduler: %s backend with %d GPU(s)", device_backend.name, len(snap))
+    if device_backend.name == "simulated":
+        return device_backend, "simulated GPUs: nothing runs on a real GPU"
+    return device_backend, ""
