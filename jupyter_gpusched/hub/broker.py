@@ -23,7 +23,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import math
 import os
 import signal
 import socket
@@ -48,8 +47,10 @@ from ..arbiter import (
     LocalArbiter,
     NotFound,
 )
-from ..core import Lease, SchedulingError, parse_memory
+from ..core import Lease
+from .. import api_input
 from ..config import SchedulingConfig, open_inventory
+from ..api_input import bad_input
 from ..views import Principal, iso
 from .remote import ID_PATTERN, HeartbeatError, RemoteKernels
 
@@ -64,7 +65,6 @@ DEFAULT_PREFIX = "/services/gpusched/"
 EVENT_BATCH = 0.2
 #: The longest a server has to carry out a restart or shutdown order.
 ORDER_TIMEOUT = 120.0
-_CLAIM_FIELDS = {"kernel_id", "count", "memory", "mode", "wait", "priority"}
 _ID = r"(?P<lease_id>[A-Za-z0-9_\-]{1,128})"
 _KERNEL = r"(?P<kernel_id>[A-Za-z0-9_\-]{1,128})"
 _UUID = r"(?P<uuid>[A-Za-z0-9_\-/]{1,128})"
@@ -351,55 +351,13 @@ class APIHandler(_Hub, web.RequestHandler):
             raise web.HTTPError(exc.status, exc.message.replace("%", "%%"), reason=exc.reason) from None
 
     def body(self) -> dict:
-        raw = self.request.body
-        if not raw:
-            return {}
-        try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            raise web.HTTPError(400, "the request body is not valid JSON") from None
-        if not isinstance(data, dict):
-            raise web.HTTPError(400, "the request body must be a JSON object")
-        return data
+        with bad_input():
+            return api_input.json_object(self.request.body)
 
     def reply(self, data: Any, status: int = 200) -> None:
         self.set_status(status)
         self.set_header("Content-Type", "application/json")
         self.finish(json.dumps(data))
-
-
-def _bad(message: str) -> web.HTTPError:
-    return web.HTTPError(400, message.replace("%", "%%"))
-
-
-def _int_field(data: dict, name: str, default: int | None, low: int | None = None) -> int | None:
-    value = data.get(name, default)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _bad(f"{name} must be a whole number, not {json.dumps(value)}")
-    if low is not None and value < low:
-        raise _bad(f"{name} must be at least {low}, not {value}")
-    if abs(value) > 2**31:
-        raise _bad(f"{name} is out of range")
-    return value
-
-
-def _seconds_field(data: dict, name: str) -> float | None:
-    from ..core import parse_duration
-
-    value = data.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise _bad(f"{name} must be a number of seconds or a duration such as '30m'")
-    try:
-        seconds = parse_duration(value, name)
-    except SchedulingError as exc:
-        raise _bad(str(exc)) from None
-    if not math.isfinite(seconds):
-        raise _bad(f"{name} must be finite")
-    return seconds
 
 
 class StatusHandler(APIHandler):
@@ -421,27 +379,10 @@ class LeasesHandler(APIHandler):
         self.reply(await self.run(lambda: self.broker.arbiter.leases(who, kernel_id or who.kernel_id)))
 
     async def post(self) -> None:
-        data = self.body()
-        unknown = sorted(set(data) - _CLAIM_FIELDS)
-        if unknown:
-            raise _bad(f"unknown field(s): {', '.join(unknown)}")
-        kernel_id = data.get("kernel_id")
-        if not isinstance(kernel_id, str) or not ID_PATTERN.match(kernel_id):
-            raise _bad("kernel_id must be the id of a running kernel (letters, digits, '-' and '_')")
-        count = _int_field(data, "count", None, low=1)
-        try:
-            memory = parse_memory(data.get("memory"), "memory")
-        except SchedulingError as exc:
-            raise _bad(str(exc)) from None
-        mode = data.get("mode")
-        if mode is not None and mode not in ("exclusive", "shared"):
-            raise _bad(f"mode must be 'exclusive' or 'shared', not {json.dumps(mode)}")
-        priority = _int_field(data, "priority", 0) or 0
-        wait = data.get("wait", 0)
-        wait = 30 if wait is True else 0 if wait is False else wait
-        wait_s = _seconds_field({"wait": wait}, "wait") or 0.0
+        with bad_input():
+            req = api_input.claim(self.body())
         result = await self.run(
-            lambda: self.broker.claim(self.who, kernel_id, count, memory, mode, priority, wait_s)
+            lambda: self.broker.claim(self.who, req.kernel_id, req.count, req.memory, req.mode, req.priority, req.wait)
         )
         if result.status == 201:
             self.set_header("Location", f"{self.app.prefix}api/gpusched/leases/{result.lease['id']}")
@@ -460,19 +401,15 @@ class LeaseHandler(APIHandler):
 
 class KeepHandler(APIHandler):
     async def post(self, lease_id: str) -> None:
-        data = self.body()
-        if "seconds" not in data:
-            raise _bad("seconds is required: how long to keep the lease, e.g. 1800 or '30m'")
-        seconds = _seconds_field(data, "seconds") or 0.0
+        with bad_input():
+            seconds = api_input.keep_seconds(self.body())
         self.reply(await self.run(lambda: self.broker.keep(self.who, lease_id, seconds)))
 
 
 class DrainHandler(APIHandler):
     async def post(self, uuid: str, action: str) -> None:
-        data = self.body()
-        reason = data.get("reason", "")
-        if not isinstance(reason, str) or len(reason) > 500:
-            raise _bad("reason must be a string of at most 500 characters")
+        with bad_input():
+            reason = api_input.reason(self.body())
         drained = action == "drain"
         self.reply(await self.run(lambda: self.broker.drain(self.who, uuid, drained, reason)))
 
@@ -481,10 +418,8 @@ class KernelEndedHandler(APIHandler):
     """``POST api/gpusched/kernels/{id}/ended``: a server says one of its kernels ended."""
 
     async def post(self, kernel_id: str) -> None:
-        data = self.body()
-        reason = data.get("reason") or "the kernel was shut down"
-        if not isinstance(reason, str) or len(reason) > 500:
-            raise _bad("reason must be a string of at most 500 characters")
+        with bad_input():
+            reason = api_input.reason(self.body()) or "the kernel was shut down"
         if self.who.kernel_id is not None:
             raise web.HTTPError(403, "a kernel's token cannot end kernels")
         await self.run(lambda: self.broker.kernel_ended(self.who, kernel_id, reason))

@@ -16,17 +16,16 @@ gone unless their processes still hold a GPU (those are reported, see :meth:`str
 from __future__ import annotations
 
 import logging
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Protocol
 
 import psutil
 
+from ..api_input import ID_PATTERN
+
 log = logging.getLogger("jupyter_gpusched.broker")
 
-#: Kernel and server ids: what jupyter_server and the server extension generate (uuids), with room.
-ID_PATTERN = re.compile(r"^[A-Za-z0-9_\-]{1,128}$")
 #: Bounds on what one heartbeat may carry.
 MAX_KERNELS = 1000
 MAX_PIDS = 4096

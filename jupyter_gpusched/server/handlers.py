@@ -8,7 +8,6 @@ kernel's own lease only. Errors are ``{"message", "reason"}`` with 400, 403, 404
 from __future__ import annotations
 
 import json
-import math
 from typing import Any, Awaitable, Callable
 
 from jupyter_core.utils import ensure_async
@@ -17,7 +16,8 @@ from jupyter_server.base.handlers import APIHandler, JupyterHandler
 from tornado import web, websocket
 
 from ..arbiter import Arbiter, ArbiterError, ArbiterEvent
-from ..core import SchedulingError, parse_duration, parse_memory
+from .. import api_input
+from ..api_input import bad_input
 from ..views import Principal
 from .openapi import openapi_document
 
@@ -77,51 +77,13 @@ class GPUSchedHandler(APIHandler):
 
     def body(self) -> dict:
         """The JSON body as an object; 400 with a clear message otherwise."""
-        raw = self.request.body
-        if not raw:
-            return {}
-        try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            raise web.HTTPError(400, "the request body is not valid JSON") from None
-        if not isinstance(data, dict):
-            raise web.HTTPError(400, "the request body must be a JSON object")
-        return data
+        with bad_input():
+            return api_input.json_object(self.request.body)
 
     def reply(self, data: Any, status: int = 200) -> None:
         self.set_status(status)
         self.set_header("Content-Type", "application/json")
         self.finish(json.dumps(data))
-
-
-def _bad(message: str) -> web.HTTPError:
-    return web.HTTPError(400, message.replace("%", "%%"))
-
-
-def _int_field(data: dict, name: str, default: int | None, low: int | None = None) -> int | None:
-    value = data.get(name, default)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _bad(f"{name} must be a whole number, not {json.dumps(value)}")
-    if low is not None and value < low:
-        raise _bad(f"{name} must be at least {low}, not {value}")
-    return value
-
-
-def _seconds_field(data: dict, name: str, default: float | None) -> float | None:
-    value = data.get(name, default)
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise _bad(f"{name} must be a number of seconds or a duration such as '30m'")
-    try:
-        seconds = parse_duration(value, name)
-    except SchedulingError as exc:
-        raise _bad(str(exc)) from None
-    if not math.isfinite(seconds):
-        raise _bad(f"{name} must be finite")
-    return seconds
 
 
 class StatusHandler(GPUSchedHandler):
@@ -148,31 +110,11 @@ class LeasesHandler(GPUSchedHandler):
         self.reply(await self.run("read", fn))
 
     async def post(self) -> None:
-        data = self.body()
-        unknown = sorted(set(data) - {"kernel_id", "count", "memory", "mode", "wait", "priority"})
-        if unknown:
-            raise _bad(f"unknown field(s): {', '.join(unknown)}")
-        kernel_id = data.get("kernel_id")
-        if not isinstance(kernel_id, str) or not kernel_id:
-            raise _bad("kernel_id must be the id of a running kernel (a non-empty string)")
-        count = _int_field(data, "count", None, low=1)
-        try:
-            memory = parse_memory(data.get("memory"), "memory")
-        except SchedulingError as exc:
-            raise _bad(str(exc)) from None
-        mode = data.get("mode")
-        if mode is not None and mode not in ("exclusive", "shared"):
-            raise _bad(f"mode must be 'exclusive' or 'shared', not {json.dumps(mode)}")
-        priority = _int_field(data, "priority", 0)
-        wait = data.get("wait", 0)
-        if wait is True:
-            wait = 30
-        if wait is False:
-            wait = 0
-        wait_s = _seconds_field({"wait": wait}, "wait", 0.0)
+        with bad_input():
+            req = api_input.claim(self.body())
 
         async def fn(who: Principal):
-            return await self.arbiter.claim(who, kernel_id, count, memory, mode, priority or 0, wait_s or 0.0)
+            return await self.arbiter.claim(who, req.kernel_id, req.count, req.memory, req.mode, req.priority, req.wait)
 
         result = await self.run("write", fn)
         if result.status == 201:
@@ -192,19 +134,15 @@ class LeaseHandler(GPUSchedHandler):
 
 class KeepHandler(GPUSchedHandler):
     async def post(self, lease_id: str) -> None:
-        data = self.body()
-        if "seconds" not in data:
-            raise _bad("seconds is required: how long to keep the lease, e.g. 1800 or '30m'")
-        seconds = _seconds_field(data, "seconds", None) or 0.0
+        with bad_input():
+            seconds = api_input.keep_seconds(self.body())
         self.reply(await self.run("write", lambda who: self.arbiter.keep(who, lease_id, seconds)))
 
 
 class DrainHandler(GPUSchedHandler):
     async def post(self, uuid: str, action: str) -> None:
-        data = self.body()
-        reason = data.get("reason", "")
-        if not isinstance(reason, str):
-            raise _bad("reason must be a string")
+        with bad_input():
+            reason = api_input.reason(self.body())
         drained = action == "drain"
         self.reply(await self.run("write", lambda who: self.arbiter.drain(who, uuid, drained, reason)))
 

@@ -1,0 +1,127 @@
+"""Reading the REST API's request bodies: one set of rules for the server and the hub broker.
+
+Every function raises :class:`InputError` with a message that names the field; the handlers turn
+it into a 400 with :func:`bad_input`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Iterator
+
+from .core import SchedulingError, parse_duration, parse_memory
+
+#: Kernel ids, lease ids: what jupyter_server and we generate, and nothing that needs escaping.
+ID_PATTERN = re.compile(r"^[A-Za-z0-9_\-]{1,128}$")
+CLAIM_FIELDS = frozenset({"kernel_id", "count", "memory", "mode", "wait", "priority"})
+#: The longest claim wait one call may ask for (the server answers 202 after it).
+MAX_WAIT = 30.0
+
+
+class InputError(ValueError):
+    """A request body the API cannot accept; the message is for the caller."""
+
+
+@contextlib.contextmanager
+def bad_input() -> Iterator[None]:
+    """In a tornado handler: an :class:`InputError` becomes a 400 with its message."""
+    from tornado import web
+
+    try:
+        yield
+    except InputError as exc:
+        raise web.HTTPError(400, str(exc).replace("%", "%%")) from None
+
+
+def json_object(raw: bytes | None) -> dict:
+    """The body as a JSON object (empty body: ``{}``)."""
+    if not raw:
+        return {}
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise InputError("the request body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise InputError("the request body must be a JSON object")
+    return data
+
+
+def int_field(data: dict, name: str, default: int | None, low: int | None = None) -> int | None:
+    value = data.get(name, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InputError(f"{name} must be a whole number, not {json.dumps(value)}")
+    if low is not None and value < low:
+        raise InputError(f"{name} must be at least {low}, not {value}")
+    if abs(value) > 2**31:
+        raise InputError(f"{name} is out of range")
+    return value
+
+
+def seconds_field(data: dict, name: str, default: float | None = None) -> float | None:
+    """Seconds from a number or a duration such as ``'30m'``."""
+    value = data.get(name, default)
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise InputError(f"{name} must be a number of seconds or a duration such as '30m'")
+    try:
+        seconds = parse_duration(value, name)
+    except SchedulingError as exc:
+        raise InputError(str(exc)) from None
+    if not math.isfinite(seconds):
+        raise InputError(f"{name} must be finite")
+    return seconds
+
+
+@dataclass(frozen=True)
+class Claim:
+    kernel_id: str
+    count: int | None
+    memory: int | None
+    mode: str | None
+    priority: int
+    wait: float
+
+
+def claim(data: dict) -> Claim:
+    """``POST /api/gpusched/leases``: ``{kernel_id, count?, memory?, mode?, wait?, priority?}``."""
+    unknown = sorted(set(data) - CLAIM_FIELDS)
+    if unknown:
+        raise InputError(f"unknown field(s): {', '.join(unknown)}")
+    kernel_id = data.get("kernel_id")
+    if not isinstance(kernel_id, str) or not ID_PATTERN.match(kernel_id):
+        raise InputError("kernel_id must be the id of a running kernel (letters, digits, '-' and '_')")
+    count = int_field(data, "count", None, low=1)
+    try:
+        memory = parse_memory(data.get("memory"), "memory")
+    except SchedulingError as exc:
+        raise InputError(str(exc)) from None
+    mode = data.get("mode")
+    if mode is not None and mode not in ("exclusive", "shared"):
+        raise InputError(f"mode must be 'exclusive' or 'shared', not {json.dumps(mode)}")
+    priority = int_field(data, "priority", 0) or 0
+    wait = data.get("wait", 0)
+    wait = MAX_WAIT if wait is True else 0 if wait is False else wait
+    wait_s = seconds_field({"wait": wait}, "wait") or 0.0
+    return Claim(kernel_id, count, memory, mode, priority, wait_s)
+
+
+def keep_seconds(data: dict) -> float:
+    """``POST .../keep``: ``{seconds}``."""
+    if "seconds" not in data:
+        raise InputError("seconds is required: how long to keep the lease, e.g. 1800 or '30m'")
+    return seconds_field(data, "seconds") or 0.0
+
+
+def reason(data: dict) -> str:
+    """An admin's optional reason (drain, release)."""
+    value = data.get("reason", "")
+    if not isinstance(value, str) or len(value) > 500:
+        raise InputError("reason must be a string of at most 500 characters")
+    return value
