@@ -242,6 +242,7 @@ class LocalArbiter(Arbiter):
         self._background: set[asyncio.Task] = set()
         self._tree_cache: dict[str, set[int]] = {}
         self._kernel_gaps: dict[str, tuple[float, ...]] = {}
+        self._suspects: set[str] = set()
 
     # -- lifecycle -------------------------------------------------------------------------
     @property
@@ -398,6 +399,7 @@ class LocalArbiter(Arbiter):
         owners = tx.owners()
         lost = {d.uuid: d for d in devices if d.health == core.Health.LOST}
         out = []
+        suspects: set[str] = set()
         for lease in leases:
             owner = owners.get(lease.id)
             gone: str | None = None
@@ -407,7 +409,12 @@ class LocalArbiter(Arbiter):
             elif ours and self.kernels.alive(lease.kernel_id) is False:
                 gone = "the kernel has shut down"
             elif owner is not None and not is_alive(owner):
-                gone = f"the kernel's process {owner.process.pid} is gone"
+                # A kernel of ours whose process just exited may be in a deliberate restart that
+                # this tick raced with: it is released only if still gone at the next tick.
+                if not ours or lease.id in self._suspects:
+                    gone = f"the kernel's process {owner.process.pid} is gone"
+                else:
+                    suspects.add(lease.id)
             if gone is not None:
                 done = core.released(lease, now, f"released: {gone}")
                 tx.put(done)
@@ -427,6 +434,7 @@ class LocalArbiter(Arbiter):
                 )
                 continue
             out.append(lease)
+        self._suspects = suspects
         return out
 
     def _resume_running(self, tx, leases: list[Lease], activity: Mapping[str, KernelActivity], now: float) -> list[Lease]:
