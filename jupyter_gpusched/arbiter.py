@@ -15,10 +15,13 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+import os
 import time
 import uuid as uuidlib
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping, Protocol
+
+import psutil
 
 from . import core
 from .core import Capabilities, KernelActivity, Lease, LeaseState, SchedConfig, Step
@@ -212,8 +215,11 @@ class LocalArbiter(Arbiter):
         mode: str = "standalone",
         show_holders: bool = True,
         metrics: Any = None,
+        unleased_processes: str = "report",
     ) -> None:
         self.cfg = cfg
+        self.unleased_policy = unleased_processes
+        self._unleased_seen: set[int] = set()
         self.ledger = ledger
         self.backend = backend
         self.checkpointer = checkpointer or Unavailable("no checkpointer configured")
@@ -354,6 +360,8 @@ class LocalArbiter(Arbiter):
             plan, before, notices, _ = await asyncio.to_thread(self._plan_tx, activity, None)
             await self._after_plan(plan, before, notices)
             await self._finish_cache_requests()
+            if self.unleased_policy == "kill":
+                await asyncio.to_thread(self._kill_unleased)
             return plan
 
     async def replan(self) -> core.Plan:
@@ -689,6 +697,41 @@ class LocalArbiter(Arbiter):
                 await self._update(
                     lease, lambda cur, now: core.step_done(cur, Step.FREE_CACHE, "framework caches dropped")
                 )
+
+    def _kill_unleased(self) -> None:
+        """Enforcement: end GPU processes of this Unix user that no lease covers.
+
+        A process is spared if it descends from the owner process of any live lease (kernels of
+        other servers on the same ledger included), and it is ended only when seen without a
+        lease at two ticks in a row (a kernel may be between its grant and this tick's view).
+        """
+        pids = {item["pid"] for item in self.state.unleased}
+        if not pids:
+            self._unleased_seen = set()
+            return
+        owners = self.ledger.owners()
+        live = {lease.id for lease in self.state.leases}
+        protected: set[int] = set()
+        for lease_id, owner in owners.items():
+            if lease_id not in live:
+                continue
+            try:
+                root = psutil.Process(owner.process.pid)
+                protected |= {root.pid} | {child.pid for child in root.children(recursive=True)}
+            except psutil.Error:
+                continue
+        suspects = pids - protected
+        due = suspects & self._unleased_seen
+        self._unleased_seen = suspects
+        for pid in sorted(due):
+            try:
+                proc = psutil.Process(pid)
+                if proc.uids().real != os.getuid() or pid == os.getpid():
+                    continue
+                proc.terminate()
+            except psutil.Error:
+                continue
+            log.warning("ended GPU process %s: it holds GPU memory without a lease (unleased_processes = 'kill')", pid)
 
     # -- reads -----------------------------------------------------------------------------
     def _ctx(self) -> ViewContext:

@@ -151,3 +151,29 @@ def test_two_servers_share_one_ledger_without_double_grants(tmp_path):
     finally:
         a.stop()
         b.stop()
+
+
+@pytest.mark.parametrize("sched_config", [{"backend": "simulated", "simulated_devices": 2, "unleased_processes": "kill"}])
+async def test_kill_policy_ends_gpu_processes_without_a_lease(jp_fetch, arbiter, sched_config):
+    import subprocess
+    import sys
+
+    kernel_id = await _kernel(jp_fetch)
+    _, lease = await api(jp_fetch, "leases", method="POST", body={"kernel_id": kernel_id})
+    leased_pid = arbiter.kernels.kernel_pid(kernel_id)
+    rogue = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        arbiter.backend.add_process(lease["devices"][0], leased_pid, "1GiB")
+        arbiter.backend.add_process(lease["devices"][0], rogue.pid, "2GiB")
+        await arbiter.tick()
+        _, status = await api(jp_fetch, "status")
+        assert [p["pid"] for p in status["unleased_processes"]] == [rogue.pid]
+        assert rogue.poll() is None, "reported at the first tick, not ended yet"
+        await arbiter.tick()
+        assert rogue.wait(timeout=10) is not None
+        assert psutil.pid_exists(leased_pid), "the leased kernel is untouched"
+        _, got = await api(jp_fetch, "leases", lease["id"])
+        assert got["state"] == "active"
+    finally:
+        if rogue.poll() is None:
+            rogue.kill()

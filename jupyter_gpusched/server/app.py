@@ -6,7 +6,7 @@ import getpass
 import os
 
 from jupyter_server.extension.application import ExtensionApp
-from traitlets import Bool, Unicode, default
+from traitlets import Bool, TraitError, Unicode, default, validate
 
 from ..config import SCHEDULING_TRAITS, SchedulingConfig, open_inventory
 
@@ -30,6 +30,19 @@ class GPUSchedApp(SchedulingConfig, ExtensionApp):
         help="""File where simulated GPUs record which processes use them; empty: next to the
         ledger. Kernels find it through JUPYTER_GPUSCHED_SIM_STATE.""",
     ).tag(config=True)
+
+    unleased_processes = Unicode(
+        "report",
+        help="""GPU processes that hold memory without a lease: 'report' them (status, CLI, log) or
+        'kill' them (SIGTERM; only this server's Unix user's processes, never one under a live
+        lease's kernel).""",
+    ).tag(config=True)
+
+    @validate("unleased_processes")
+    def _valid_unleased(self, proposal):
+        if proposal["value"] not in ("report", "kill"):
+            raise TraitError(f"unleased_processes must be 'report' or 'kill', not {proposal['value']!r}")
+        return proposal["value"]
 
     show_holders = Bool(True, help="Show who holds each GPU (always true for a single user's server).").tag(
         config=True
@@ -75,6 +88,7 @@ class GPUSchedApp(SchedulingConfig, ExtensionApp):
                 backend_note=note,
                 metrics=Metrics(),
                 show_holders=True,
+                unleased_processes=self.unleased_processes,
             )
             self.log.info("GPU scheduler: ledger %s, policy %s", ledger_path, self.policy)
         reg.arbiter = arbiter
