@@ -515,8 +515,24 @@ class LocalArbiter(Arbiter):
             elif decision.kind == "idle":
                 log.debug("lease %s of kernel %s: %s", lease.id, lease.kernel_id, decision.reason)
             elif decision.kind == "queue" and (old is None or old.state != LeaseState.PENDING):
-                notices.append(_notice("queued", lease, lease.reason))
-        for lease_id in plan.changed:
+                notice = _notice("queued", lease, lease.reason)
+                if decision.position is not None:
+                    notice["position"] = decision.position
+                notices.append(notice)
+        # A claim written in this pass's transaction is already pending when the core plans, so
+        # the plan neither lists it as changed nor decides to queue it: tell viewers here.
+        decided = {d.lease.id for d in plan.decisions}
+        changed = list(plan.changed)
+        for lease in plan.leases:
+            if lease.id in before or lease.id in plan.changed:
+                continue
+            changed.append(lease.id)
+            if lease.state == LeaseState.PENDING and lease.id not in decided:
+                notice = _notice("queued", lease, lease.reason)
+                if lease.id in plan.queue:
+                    notice["position"] = plan.queue.index(lease.id) + 1
+                notices.append(notice)
+        for lease_id in changed:
             lease = plan.lease(lease_id)
             self.publish(ArbiterEvent("lease", lease=lease))
             if lease is not None and lease.state != LeaseState.PENDING:
