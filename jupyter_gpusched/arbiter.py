@@ -112,6 +112,9 @@ class KernelHost(Protocol):
     def notebook(self, kernel_id: str) -> str | None:
         """The notebook path of the kernel's session, where known."""
 
+    def user_of(self, kernel_id: str) -> str | None:
+        """The user a kernel belongs to, where this host knows it (None: unknown)."""
+
     async def restart(self, kernel_id: str) -> None: ...
 
     async def shutdown(self, kernel_id: str) -> None: ...
@@ -758,12 +761,19 @@ class LocalArbiter(Arbiter):
                 if name:
                     notebooks[lease.kernel_id] = name
         positions = {lid: i for i, lid in enumerate(self.state.queue, start=1)}
+        kernel_users = {lease.kernel_id: lease.user for lease in self.state.leases}
+        if self.kernels is not None:
+            for kernel_id in set(self.state.process_kernels.values()) - set(kernel_users):
+                user = self.kernels.user_of(kernel_id)
+                if user is not None:
+                    kernel_users[kernel_id] = user
         return ViewContext(
             now=self.clock(),
             positions=positions,
             notebooks=notebooks,
             drained=self.state.drained,
             process_kernels=self.state.process_kernels,
+            kernel_users=kernel_users,
         )
 
     def _index_of(self) -> dict[str, int]:

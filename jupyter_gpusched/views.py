@@ -47,6 +47,8 @@ class ViewContext:
     notebooks: Mapping[str, str] = field(default_factory=dict)
     drained: Mapping[str, str] = field(default_factory=dict)
     process_kernels: Mapping[int, str] = field(default_factory=dict)
+    #: The user of each kernel that uses a GPU, where known (never shown unless the viewer may).
+    kernel_users: Mapping[str, str] = field(default_factory=dict)
 
 
 def iso(ts: float | None) -> str | None:
@@ -106,8 +108,7 @@ def device_json(
     processes = []
     for proc in snap.processes:
         kernel_id = ctx.process_kernels.get(proc.pid)
-        lease = next((le for le in held_by if le.kernel_id == kernel_id), None) if kernel_id else None
-        shown = kernel_id if kernel_id and (lease is None or viewer.sees(lease)) else None
+        shown = kernel_id if kernel_id and _sees_kernel(viewer, ctx.kernel_users.get(kernel_id)) else None
         processes.append({"pid": proc.pid, "memory_used": proc.memory_used, "kernel_id": shown})
     return {
         "uuid": snap.uuid,
@@ -123,6 +124,11 @@ def device_json(
         "lease_ids": [lease.id for lease in held_by],
         "processes": processes,
     }
+
+
+def _sees_kernel(viewer: Principal, user: str | None) -> bool:
+    """Whether ``viewer`` may see the id of a kernel of ``user`` (None: a user nobody knows)."""
+    return viewer.show_holders or viewer.admin or (user is not None and user == viewer.user)
 
 
 def queue_json(queue: Sequence[Lease], viewer: Principal) -> list[dict]:

@@ -181,6 +181,10 @@ class ServerKernels:
     def notebook(self, kernel_id: str) -> str | None:
         return self._notebooks.get(kernel_id)
 
+    def user_of(self, kernel_id: str) -> str | None:
+        # Every kernel of this server is its user's; views of this server show them all.
+        return None
+
     async def refresh_notebooks(self) -> None:
         """Notebook paths by kernel, from the session manager."""
         if self.sessions is None:
