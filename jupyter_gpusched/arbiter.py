@@ -774,6 +774,8 @@ class LocalArbiter(Arbiter):
             drained=self.state.drained,
             process_kernels=self.state.process_kernels,
             kernel_users=kernel_users,
+            cfg=self.cfg,
+            leases=self.state.leases,
         )
 
     def _index_of(self) -> dict[str, int]:

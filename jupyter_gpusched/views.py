@@ -10,7 +10,7 @@ import datetime as dt
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
-from .core import Lease, LeaseState
+from .core import Lease, LeaseState, SchedConfig
 from .devices.base import DeviceSnapshot
 
 ANOTHER_USER = "another user"
@@ -49,6 +49,9 @@ class ViewContext:
     process_kernels: Mapping[int, str] = field(default_factory=dict)
     #: The user of each kernel that uses a GPU, where known (never shown unless the viewer may).
     kernel_users: Mapping[str, str] = field(default_factory=dict)
+    #: The scheduling settings and every live lease, for views that look ahead (None: not known).
+    cfg: SchedConfig | None = None
+    leases: Sequence[Lease] = ()
 
 
 def iso(ts: float | None) -> str | None:
