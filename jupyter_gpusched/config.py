@@ -9,7 +9,7 @@ import os
 from typing import Any
 
 from jupyter_core.paths import jupyter_runtime_dir
-from traitlets import Dict, Float, Int, List, TraitError, Unicode, Union, validate
+from traitlets import Bool, Dict, Float, Int, List, TraitError, Unicode, Union, validate
 from traitlets.config import Configurable
 
 from . import core
@@ -101,6 +101,16 @@ class SchedulingConfig(Configurable):
         directory. Servers of one Unix user that point at the same file share the GPUs.""",
     ).tag(config=True)
 
+    allow_shared_state_files = Bool(
+        False,
+        help="""Accept a ledger (`ledger_path`) or simulated GPU state file that another user owns or
+        that other users may read or write (group or other permission bits). False: such a file is
+        refused at start with a message that says how to make it private; new files are always
+        created 0600 and a symbolic link is never followed. Set it only for a file shared on
+        purpose, e.g. the simulated state file written by every user's kernels in hub mode: whoever
+        can write the ledger can grant themselves GPUs.""",
+    ).tag(config=True)
+
     poll_interval = Float(2.0, help="Seconds between reconcile ticks.").tag(config=True)
 
     @validate("backend")
@@ -163,12 +173,22 @@ class SchedulingConfig(Configurable):
         return self.ledger_path or os.path.join(jupyter_runtime_dir(), "gpusched.sqlite")
 
 
-def open_inventory(backend: str, simulated_devices: Any, state_path: str | None, log) -> tuple[Any, str]:
-    """The device backend, or None with a note that says why there are no GPUs."""
+def open_inventory(
+    backend: str, simulated_devices: Any, state_path: str | None, log, *, allow_shared: bool = False
+) -> tuple[Any, str]:
+    """The device backend, or None with a note that says why there are no GPUs.
+
+    ``allow_shared``: the admin's `allow_shared_state_files`, for the simulated state file.
+    """
     from .devices.base import InventoryUnavailable, open_backend
 
     try:
-        device_backend = open_backend(backend, simulated_devices=simulated_devices, state_path=state_path)
+        if backend == "simulated":
+            from .devices.simulated import SimulatedBackend
+
+            device_backend = SimulatedBackend(simulated_devices, state_path=state_path, allow_shared=allow_shared)
+        else:
+            device_backend = open_backend(backend, simulated_devices=simulated_devices, state_path=state_path)
         snap = device_backend.snapshot()
     except InventoryUnavailable as exc:
         if backend == "auto":

@@ -26,6 +26,7 @@ from jupyter_gpusched.devices.simulated import (
     SimulatedBackend,
     SimulatedCudaError,
     SimulatedOutOfMemory,
+    parse_devices,
 )
 
 #: Two plain GPUs on one NVLink, one split into MIG instances, one of another model.
@@ -387,7 +388,15 @@ def test_uuids_depend_only_on_the_seed_and_index(tmp_path):
     assert [d.uuid for d in a.snapshot()] == [d.uuid for d in b.snapshot()]
     assert not {d.uuid for d in a.snapshot()} & {d.uuid for d in c.snapshot()}
     default = a.snapshot()[0]
-    assert (default.name, default.memory_total, default.architecture) == ("NVIDIA H100 80GB HBM3", 80 * GiB, "Hopper")
+    # A simulated GPU says so, and keeps the model that architecture and restores go by.
+    assert (default.name, default.memory_total, default.architecture) == ("Simulated H100 80GB", 80 * GiB, "Hopper")
+
+
+def test_default_simulated_gpus_and_their_mig_instances_say_they_are_simulated():
+    devices = parse_devices([{}, {"mig": ["3g.40gb"]}])
+    assert [d.name for d in devices] == ["Simulated H100 80GB", "Simulated H100 80GB", "Simulated H100 80GB MIG 3g.40gb"]
+    assert {d.architecture for d in devices} == {"Hopper"}
+    assert not any(d.name.startswith("NVIDIA") for d in devices)
 
 
 @pytest.mark.parametrize(

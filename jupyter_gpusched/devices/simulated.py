@@ -28,6 +28,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import psutil
 
+from .. import files
 from ..core.model import GiB
 from ..core.units import format_bytes, parse_memory
 from .base import LOST, OK, DeviceBackend, DeviceLost, DeviceSnapshot, GPUProcess, InventoryUnavailable
@@ -38,7 +39,11 @@ log = logging.getLogger(__name__)
 STATE_ENV = "JUPYTER_GPUSCHED_SIM_STATE"
 STATE_FILE = "gpusched-sim.sqlite"
 
-DEFAULT_NAME = "NVIDIA H100 80GB HBM3"
+#: Says what it is: nothing here is a real GPU. The model ("H100") still drives architecture
+#: detection and "same model" restores.
+DEFAULT_NAME = "Simulated H100 80GB"
+#: The setting that lets an admin share the state file with other users' kernels.
+ALLOW_SHARED_SETTING = "c.GPUSchedApp.allow_shared_state_files (c.GPUBroker.allow_shared_state_files for the broker)"
 DEFAULT_MEMORY = 80 * GiB
 #: Host-independent, so that every process with the same configuration agrees on the UUIDs.
 DEFAULT_SEED = "jupyter-gpusched"
@@ -99,6 +104,7 @@ CREATE TABLE IF NOT EXISTS checkpoints (
 );
 CREATE TABLE IF NOT EXISTS faults (field TEXT PRIMARY KEY);
 """
+_TABLES = frozenset({"devices", "processes", "checkpoints", "faults"})
 
 
 class SimulatedCudaError(RuntimeError):
@@ -257,14 +263,15 @@ def default_state_path() -> str:
 
 def _connect(path: str, create: bool) -> sqlite3.Connection:
     if create:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
         conn = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
     else:
+        if os.path.islink(path):
+            raise SimulatedCudaError(f"the simulated GPU state {path} is a symbolic link; it is not followed")
         if not os.path.exists(path):
             raise SimulatedCudaError(
                 f"no simulated GPUs at {path}: start a jupyter-gpusched server with the simulated backend first"
             )
-        uri = Path(path).resolve().as_uri() + "?mode=rw"
+        uri = Path(os.path.abspath(path)).as_uri() + "?mode=rw"
         conn = sqlite3.connect(uri, uri=True, timeout=30, isolation_level=None, check_same_thread=False)
     conn.row_factory = sqlite3.Row
     return conn
@@ -286,13 +293,48 @@ def _transaction(path: str, write: bool, create: bool = False) -> Iterator[sqlit
         conn.close()
 
 
-def _init_state(path: str, devices: Sequence[SimulatedDevice]) -> None:
-    conn = _connect(path, create=True)
+class UnsafeStateFile(Exception):
+    """The state file is not one the simulated backend may create or write."""
+
+
+def _open_state(path: str, allow_shared: bool) -> None:
+    """Create the state file (0600), or check the one there; refuse anything not ours.
+
+    Raises:
+        UnsafeStateFile: a link, another user's or a shared file (unless ``allow_shared``), or a
+            SQLite file of another application; it was left untouched.
+    """
+    setting = "simulated_state_path"
     try:
-        # WAL lets kernels write their allocations while the server reads a snapshot.
-        conn.execute("PRAGMA journal_mode=WAL")
-    finally:
-        conn.close()
+        checked = files.prepare(path, setting=setting)
+        if checked.header and checked.header != b"SQLite format 3\x00":
+            raise files.UnsafeFile("is not a SQLite database", f"set {setting} to another file")
+        files.check_private(checked, setting=setting, allow_shared=allow_shared, allow_setting=ALLOW_SHARED_SETTING)
+        conn = _connect(path, create=True)
+        try:
+            files.confirm_same(checked)
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            tables = {n for n in names if not n.startswith("sqlite_")}
+            if version not in (0, _SCHEMA_VERSION) or (version == 0 and tables) or tables - _TABLES:
+                raise files.UnsafeFile(
+                    "is a SQLite database of something else"
+                    + (f" (it has tables {', '.join(sorted(tables - _TABLES))})" if tables - _TABLES else ""),
+                    f"set {setting} to another file",
+                )
+            # WAL lets kernels write their allocations while the server reads a snapshot.
+            conn.execute("PRAGMA journal_mode=WAL")
+        finally:
+            conn.close()
+    except files.UnsafeFile as exc:
+        raise UnsafeStateFile(
+            f"the simulated GPU state file {path} {exc.problem}. It was left untouched."
+            + (f" {exc.advice}." if exc.advice else "")
+        ) from None
+
+
+def _init_state(path: str, devices: Sequence[SimulatedDevice], allow_shared: bool = False) -> None:
+    _open_state(path, allow_shared)
     parents = {d.parent_uuid for d in devices if d.parent_uuid}
     with _transaction(path, write=True, create=True) as conn:
         # executescript would commit first; run the statements inside this transaction instead.
@@ -569,18 +611,25 @@ class SimulatedBackend(DeviceBackend):
 
     Args:
         devices: an int or a list of dicts (see :func:`parse_devices`).
-        state_path: the SQLite file; ``None``: :func:`default_state_path`.
+        state_path: the SQLite file; ``None``: :func:`default_state_path`. It is created 0600;
+            a link there, or a file of another application, is refused.
         seed: makes the UUIDs.
+        allow_shared: accept a state file that other users may read or write (their kernels use
+            these GPUs too); otherwise such a file is refused.
     """
 
     name = "simulated"
 
-    def __init__(self, devices: Any = 4, state_path: str | None = None, seed: str = DEFAULT_SEED) -> None:
+    def __init__(
+        self, devices: Any = 4, state_path: str | None = None, seed: str = DEFAULT_SEED, *, allow_shared: bool = False
+    ) -> None:
         self.devices = parse_devices(devices, seed)
-        self.state_path = str(state_path or default_state_path())
+        self.state_path = os.path.abspath(str(state_path or default_state_path()))
         self._by_uuid = {d.uuid: d for d in self.devices}
         try:
-            _init_state(self.state_path, self.devices)
+            _init_state(self.state_path, self.devices, allow_shared)
+        except UnsafeStateFile as exc:
+            raise InventoryUnavailable(str(exc)) from None
         except (OSError, sqlite3.Error) as exc:
             raise InventoryUnavailable(
                 f"the simulated GPU state file {self.state_path} cannot be used ({exc}); "
