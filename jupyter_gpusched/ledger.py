@@ -35,7 +35,6 @@ import logging
 import os
 import socket
 import sqlite3
-import stat
 import threading
 import time
 from dataclasses import dataclass, fields
@@ -43,6 +42,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import psutil
 
+from . import files
 from .core import EXCLUSIVE, Device, Lease, LeaseState, Step, released
 from .core.model import LIVE
 
@@ -72,6 +72,8 @@ ACQUIRE_KINDS = frozenset({GRANT, RESTORE})
 FREE_KINDS = frozenset({SUSPEND, RELEASE})
 
 _SQLITE_MAGIC = b"SQLite format 3\x00"
+#: The setting that lets an admin share the ledger with other users on purpose.
+ALLOW_SHARED_SETTING = "c.GPUSchedApp.allow_shared_state_files (c.GPUBroker.allow_shared_state_files for the broker)"
 #: Two start times closer than this are one process: /proc/stat's boot time can move by a second.
 START_TIME_TOLERANCE = 1.0
 
@@ -337,6 +339,28 @@ SCHEMA_VERSION = len(MIGRATIONS)
 _TABLES = frozenset({"leases", "events", "owners", "devices"})
 
 
+def _user_tables(conn: sqlite3.Connection) -> set[str]:
+    """The tables in a file, less those SQLite makes by itself."""
+    names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    return {n for n in names if not n.startswith("sqlite_")}
+
+
+def _schema_tables(version: int) -> frozenset[str]:
+    """The tables a ledger of schema ``version`` has: its migrations run on an empty database."""
+    if version not in _SCHEMA_TABLES:
+        conn = sqlite3.connect(":memory:")
+        try:
+            for step in MIGRATIONS[:version]:
+                step(conn)
+            _SCHEMA_TABLES[version] = frozenset(_user_tables(conn))
+        finally:
+            conn.close()
+    return _SCHEMA_TABLES[version]
+
+
+_SCHEMA_TABLES: dict[int, frozenset[str]] = {}
+
+
 def _is_busy(exc: sqlite3.Error) -> bool:
     code = getattr(exc, "sqlite_errorcode", None)
     if code is not None:
@@ -503,8 +527,13 @@ def _select_drained(conn: sqlite3.Connection) -> dict[str, str]:
 class Ledger:
     """The ledger file at ``path``, created (mode 0600, parent directories too) if missing.
 
+    The file is never reached through a symbolic link, and one that another user owns or may
+    read or write is refused unless ``allow_shared``.
+
     Args:
         path: the SQLite file.
+        allow_shared: accept a file that other users may read or write (the admin shares it on
+            purpose).
         busy_timeout: seconds to wait for another process's write transaction before
             :class:`LedgerBusy`.
         clock: the time source for :attr:`Transaction.now` (seconds since the epoch).
@@ -514,9 +543,15 @@ class Ledger:
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], *, busy_timeout: float = 10.0, clock: Callable[[], float] = time.time
+        self,
+        path: str | os.PathLike[str],
+        *,
+        busy_timeout: float = 10.0,
+        clock: Callable[[], float] = time.time,
+        allow_shared: bool = False,
     ) -> None:
         self.path = os.path.abspath(os.fspath(path))
+        self.allow_shared = allow_shared
         self.busy_timeout = busy_timeout
         self._clock = clock
         self._lock = threading.RLock()
@@ -527,47 +562,30 @@ class Ledger:
         self._conn = self._open(created)
 
     # -- opening ---------------------------------------------------------------------------
-    def _refuse(self, what: str, exc: BaseException | None = None) -> LedgerError:
+    def _refuse(self, what: str, exc: BaseException | None = None, advice: str = "") -> LedgerError:
+        advice = advice or (
+            "Move it aside to start a new, empty ledger (every lease in it is then forgotten) or set "
+            "ledger_path to another file"
+        )
         return LedgerError(
-            f"GPU ledger {self.path} {what}. It was left untouched. Move it aside to start a new, "
-            "empty ledger (every lease in it is then forgotten) or set ledger_path to another file."
-            + (f" ({exc})" if exc else "")
+            f"GPU ledger {self.path} {what}. It was left untouched. {advice}." + (f" ({exc})" if exc else "")
         )
 
     def _prepare_file(self) -> bool:
         """Check an existing file without writing to it, or create a new one; True if new."""
-        if os.path.isdir(self.path):
-            raise self._refuse("is a directory, not a SQLite file")
-        if os.path.exists(self.path):
-            try:
-                with open(self.path, "rb") as f:
-                    header = f.read(len(_SQLITE_MAGIC))
-                mode = os.stat(self.path).st_mode
-            except OSError as exc:
-                raise self._refuse(f"cannot be read ({exc.strerror}); check its permissions") from exc
-            if not os.access(self.path, os.R_OK | os.W_OK):
-                raise self._refuse("cannot be written by this user; check its permissions")
-            if header and header != _SQLITE_MAGIC:
-                raise self._refuse("is not a SQLite database")
-            if stat.S_IMODE(mode) & 0o077:
-                log.warning("GPU ledger %s is readable by other users (mode %o)", self.path, stat.S_IMODE(mode))
-            return not header
-        parent = os.path.dirname(self.path)
         try:
-            os.makedirs(parent, mode=0o700, exist_ok=True)
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-        except FileExistsError:
-            return False  # another process created it a moment ago; it sets it up, we wait our turn
-        except OSError as exc:
-            raise LedgerError(
-                f"cannot create the GPU ledger {self.path}: {exc.strerror}; set ledger_path to a writable place"
-            ) from exc
-        try:
-            os.fchmod(fd, 0o600)
-        finally:
-            os.close(fd)
-        log.info("created GPU ledger %s", self.path)
-        return True
+            checked = files.prepare(self.path, setting="ledger_path", header_size=len(_SQLITE_MAGIC))
+            if checked.header and checked.header != _SQLITE_MAGIC:
+                raise files.UnsafeFile("is not a SQLite database")
+            files.check_private(
+                checked, setting="ledger_path", allow_shared=self.allow_shared, allow_setting=ALLOW_SHARED_SETTING
+            )
+        except files.UnsafeFile as exc:
+            raise self._refuse(exc.problem, advice=exc.advice) from None
+        self._checked = checked
+        if checked.created:
+            log.info("created GPU ledger %s", self.path)
+        return not checked.header
 
     def _connect(self) -> sqlite3.Connection:
         # isolation_level=None: we issue BEGIN IMMEDIATE ourselves; the lock makes sharing the
@@ -582,6 +600,10 @@ class Ledger:
         except sqlite3.Error as exc:
             raise self._refuse("cannot be opened", exc) from exc
         try:
+            try:
+                files.confirm_same(self._checked)
+            except files.UnsafeFile as exc:
+                raise self._refuse(exc.problem, advice=exc.advice) from None
             # Everything up to the migration only reads, so a file we refuse stays as it was.
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             if version > SCHEMA_VERSION:
@@ -589,10 +611,16 @@ class Ledger:
                     f"has schema version {version}, newer than the {SCHEMA_VERSION} this version of "
                     "jupyter-gpusched knows (a newer version wrote it); upgrade jupyter-gpusched to use it"
                 )
-            tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-            if version == 0 and tables - {"sqlite_sequence"}:
+            tables = _user_tables(conn)
+            if version == 0 and tables:
                 raise self._refuse(
                     f"is a SQLite database but not a GPU ledger (it has tables {', '.join(sorted(tables))})"
+                )
+            foreign = tables - _schema_tables(version)
+            if foreign:
+                raise self._refuse(
+                    f"is a SQLite database but not a GPU ledger of schema version {version} (it has tables "
+                    f"{', '.join(sorted(foreign))} that are not the ledger's)"
                 )
             if not created:
                 problems = [r[0] for r in conn.execute("PRAGMA quick_check")]

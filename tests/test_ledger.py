@@ -387,6 +387,7 @@ def write_v1(path, *extra_sql):
     raw.execute("PRAGMA user_version = 1")
     raw.commit()
     raw.close()
+    os.chmod(path, 0o600)  # as the ledger makes its files
 
 
 def test_migrates_a_version_1_file(tmp_path):
@@ -408,8 +409,8 @@ def test_migrates_a_version_1_file(tmp_path):
 
 def test_failed_migration_changes_nothing(tmp_path):
     path = tmp_path / "v1.sqlite"
-    # A stray table in the way makes the step to version 2 fail half way.
-    write_v1(path, "CREATE TABLE devices (x)")
+    # A stray index in the way makes the step to version 2 fail half way.
+    write_v1(path, "CREATE INDEX events_lease ON events(kind)")
     refused(path, "could not be upgraded from schema version 1 to 2")
     raw = sqlite3.connect(path)
     try:
@@ -439,6 +440,7 @@ def test_newer_schema_is_refused_untouched(tmp_path):
     raw.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
     raw.commit()
     raw.close()
+    path.chmod(0o600)
     err = refused(path, "newer")
     assert "upgrade jupyter-gpusched" in str(err)
 
@@ -455,6 +457,7 @@ def test_foreign_sqlite_is_refused_untouched(tmp_path):
     raw.execute("CREATE TABLE recipes (name TEXT)")
     raw.commit()
     raw.close()
+    path.chmod(0o600)
     refused(path, "not a GPU ledger")
 
 
