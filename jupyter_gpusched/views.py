@@ -70,6 +70,25 @@ def lease_json(
     """A lease as the REST API and the events websocket show it to ``viewer``."""
     visible = viewer.sees(lease)
     idle = lease.idle_seconds(ctx.now) if lease.holding else None
+    # What idle reclaim will do (null: no GPU held, or the settings are unknown). The driver's
+    # capabilities and the host's devices decide the step and the fair share; a context without
+    # them forecasts as for a host without checkpoint support.
+    idle_forecast = None
+    if ctx.cfg is not None and lease.holding:
+        from .core import Capabilities
+        from .core.forecast import forecast
+
+        caps = getattr(ctx, "caps", None) or Capabilities()
+        devices = getattr(ctx, "devices", None) or ()
+        found = forecast(lease, ctx.leases or (lease,), ctx.now, ctx.cfg, caps, devices)
+        if found is not None:
+            idle_forecast = {
+                "step": found.step.value if found.step is not None else None,
+                "at": iso(found.at),
+                "contended_at": iso(found.contended_at),
+                "contended_by": found.contended_by,
+                "reason": found.reason,
+            }
     return {
         "id": lease.id,
         "kernel_id": lease.kernel_id if visible else None,
@@ -94,6 +113,7 @@ def lease_json(
         "memory_held": lease.memory_held,
         "reason": lease.reason if visible else "",
         "mine": viewer.owns(lease) and not (viewer.admin and lease.user != viewer.user),
+        "idle_forecast": idle_forecast,
     }
 
 

@@ -90,6 +90,47 @@ SCHEMAS = {
             "memory_held": {"type": ["integer", "null"]},
             "reason": {"type": "string"},
             "mine": {"type": "boolean"},
+            "idle_forecast": {
+                "oneOf": [{"$ref": "#/components/schemas/IdleForecast"}, {"type": "null"}],
+                "description": "what idle reclaim will do to this lease; null for a lease that holds no GPU",
+            },
+        },
+    },
+    "IdleForecast": {
+        "type": "object",
+        "description": (
+            "When this lease would be taken back, and how, if its kernel stays idle from now on "
+            "(a running cell counts as idle from now). Computed from the same rules the scheduler "
+            "applies: the adaptive idle timeouts, the reclaim ladder, the policy, quotas and keep_until."
+        ),
+        "required": ["step", "at", "contended_at", "contended_by", "reason"],
+        "properties": {
+            "step": {
+                "type": ["string", "null"],
+                "enum": ["release", "checkpoint", "free-cache", "restart", "shutdown", None],
+                "description": "the first reclaim step (same values as reclaim_step); null: never taken back while idle",
+            },
+            "at": {
+                **_TIME,
+                "description": (
+                    "when the step is carried out if nobody waits for a GPU (for restart and "
+                    "shutdown: after the grace_period notice); null: never"
+                ),
+            },
+            "contended_at": {
+                **_TIME,
+                "description": "when, if a kernel that may take it waits for a GPU; never later than at; null: never",
+            },
+            "contended_by": {
+                "type": ["string", "null"],
+                "enum": ["anyone", "same_user", None],
+                "description": (
+                    "who makes it come sooner than at: any waiting kernel (borrowed capacity, or "
+                    "the dynamic policy), or only another kernel of the same user (a lease within "
+                    "its user's guaranteed share); null: a waiting claim changes nothing"
+                ),
+            },
+            "reason": {"type": "string", "description": "the forecast in plain words"},
         },
     },
     "QueueEntry": {
