@@ -528,3 +528,45 @@ contended_histories = st.lists(
 @given(quota_worlds(), contended_histories)
 def test_quotas_hold_when_the_host_is_contended(world, history):
     replay(world, history)
+
+
+# -- adaptive idle timeouts ---------------------------------------------------------------------
+
+from jupyter_gpusched.core import idle  # noqa: E402
+
+TIMEOUT_CFG = SchedConfig(idle_timeout=300.0, release_timeout=3600.0)
+spells = st.floats(min_value=idle.MIN_GAP, max_value=100_000.0, allow_nan=False)
+short_spells = st.floats(min_value=idle.MIN_GAP, max_value=300.0 * idle.FLOOR, allow_nan=False)
+other_kernels = st.lists(st.lists(spells, max_size=12), max_size=40)
+
+
+def kernel_lease(lease_id, gaps):
+    return Lease(lease_id, f"k-{lease_id}", "u0", state=LeaseState.ACTIVE, devices=("G0",), gaps=tuple(gaps))
+
+
+@PROFILE
+@given(own=st.lists(short_spells, max_size=idle.HISTORY), others=other_kernels)
+def test_a_kernel_whose_own_pauses_are_short_is_never_taken_back_early(own, others):
+    lease = kernel_lease("me", own)
+    host = [lease, *(kernel_lease(f"o{i}", gaps) for i, gaps in enumerate(others))]
+    found = idle.timeouts(lease, idle.host_prior(host), TIMEOUT_CFG)
+    assert found.idle_after == TIMEOUT_CFG.idle_timeout
+    assert found.keep_after == TIMEOUT_CFG.release_timeout
+
+
+@PROFILE
+@given(own=st.lists(spells, max_size=idle.HISTORY), others=other_kernels, where=st.integers(0, 40))
+def test_early_timeouts_come_only_from_a_kernels_own_history_counted_once(own, others, where):
+    lease = kernel_lease("me", own)
+    rest = [kernel_lease(f"o{i}", gaps) for i, gaps in enumerate(others)]
+    with_it = idle.timeouts(lease, idle.host_prior([*rest[:where], lease, *rest[where:]]), TIMEOUT_CFG)
+    # The host's history pads the kernel's own; it never counts the kernel's spells a second time.
+    assert with_it == idle.timeouts(lease, idle.host_prior(rest), TIMEOUT_CFG)
+    # A gentle step before release_timeout, or idle before idle_timeout, only for a kernel that has
+    # itself paused longer than that before.
+    longest = max(own, default=0.0)
+    if with_it.keep_after is not None and with_it.keep_after < TIMEOUT_CFG.release_timeout:
+        assert longest > with_it.keep_after
+    if with_it.idle_after < TIMEOUT_CFG.idle_timeout:
+        assert longest > with_it.idle_after
+    assert with_it.idle_after <= (with_it.keep_after or float("inf"))

@@ -678,3 +678,144 @@ def test_the_same_inputs_give_the_same_plan():
         return [host.tick(now) for now in (20, 70, 130, 131)]
 
     assert run() == run()
+
+
+# -- adaptive idle timeouts ---------------------------------------------------------------------
+
+
+def adaptive_host(n=1, **cfg_kw):
+    """Default timeouts (idle 300 s, release 3600 s), learning from pauses, checkpoint available."""
+    return Host(gpus(n), cfg=SchedConfig(**cfg_kw), caps=CHECKPOINT)
+
+
+def run_cells(host, lease_id, pauses, start, cell=0.5):
+    """The kernel runs a cell at ``start`` and one after each pause; returns when the last ends."""
+    kernel_id = host[lease_id].kernel_id
+    t = start
+    for pause in (0.0, *pauses):
+        t += pause
+        host.activity[kernel_id] = KernelActivity(kernel_id, busy=True, gpu_memory=2 * GiB)
+        host.tick(t)
+        t += cell
+        host.activity[kernel_id] = KernelActivity(kernel_id, busy=False, last_busy_at=t, gpu_memory=2 * GiB)
+        host.tick(t)
+    return t
+
+
+def depth(text):
+    """How deeply parentheses nest in ``text``."""
+    level = deepest = 0
+    for char in text:
+        level += char == "("
+        deepest = max(deepest, level)
+        level -= char == ")"
+    return deepest
+
+
+def watch_idle(host, lease_id, since, until):
+    """Tick every 5 s from ``since`` until the lease is taken back.
+
+    Returns the seconds idle when it was first marked idle and when it was taken back, and the
+    reclaim decision's lease record.
+    """
+    marked = reclaimed = taken = None
+    for waited in range(0, int(until - since) + 1, 5):
+        result = host.tick(since + waited)
+        if marked is None and host[lease_id].state != LeaseState.ACTIVE:
+            marked = waited
+        for decision in result.decisions:
+            if decision.lease.id == lease_id and decision.kind in ("reclaim", "notice"):
+                reclaimed, taken = waited, decision.lease
+        if reclaimed is not None:
+            break
+    return marked, reclaimed, taken
+
+
+def test_a_kernel_that_comes_back_within_seconds_keeps_its_gpu_while_nobody_waits():
+    # Five cells about 4 s apart, then the user reads for a while: nobody else wants the GPU.
+    host = adaptive_host()
+    host.claim("a", "alice")
+    host.tick(0)
+    ended = run_cells(host, "a", [3.7, 3.6, 3.8, 3.7], start=0)
+    marked, reclaimed, taken = watch_idle(host, "a", ended, ended + 4000)
+    assert marked == 300  # idle_timeout, not sooner
+    assert reclaimed == 3600  # release_timeout, not sooner
+    assert taken.reclaim_step == Step.CHECKPOINT
+
+
+def test_a_kernel_with_a_long_record_of_short_pauses_is_not_taken_back_early():
+    host = adaptive_host()
+    host.claim("a", "alice")
+    host.tick(0)
+    ended = run_cells(host, "a", [3.0] * 12, start=0)
+    assert len(host["a"].gaps) == 12
+    assert watch_idle(host, "a", ended, ended + 4000)[:2] == (300, 3600)
+
+
+def test_other_kernels_long_pauses_do_not_cut_short_a_kernel_whose_own_pauses_are_short():
+    host = adaptive_host(2)
+    host.claim("b", "bob")
+    host.tick(0)
+    run_cells(host, "b", [1800.0] * 8, start=0)
+    host.at(host.now).claim("a", "alice")
+    host.tick()
+    ended = run_cells(host, "a", [3.7, 3.6, 3.8, 3.7], start=host.now)
+    assert watch_idle(host, "a", ended, ended + 4000)[:2] == (300, 3600)
+
+
+def test_a_kernel_whose_own_pauses_are_long_is_checkpointed_early_while_nobody_waits():
+    host = adaptive_host()
+    host.claim("a", "alice")
+    host.tick(0)
+    ended = run_cells(host, "a", [1800.0] * 8, start=0)
+    marked, reclaimed, taken = watch_idle(host, "a", ended, ended + 4000)
+    assert marked < 300 and reclaimed < 3600
+    assert taken.reclaim_step == Step.CHECKPOINT
+    assert "usually stays away" in taken.reason and depth(taken.reason) <= 1
+
+
+def test_a_kernel_is_judged_by_its_own_pauses_counted_once():
+    # Four long pauses of its own are too few to learn from...
+    host = adaptive_host(2)
+    host.claim("a", "alice")
+    host.tick(0)
+    ended = run_cells(host, "a", [1800.0] * 4, start=0)
+    assert watch_idle(host, "a", ended, ended + 4000)[:2] == (300, 3600)
+    # ...while four more of another kernel's make enough.
+    host = adaptive_host(2)
+    host.claim("b", "bob")
+    host.tick(0)
+    run_cells(host, "b", [1800.0] * 4, start=0)
+    host.at(host.now).claim("a", "alice")
+    host.tick()
+    ended = run_cells(host, "a", [1800.0] * 4, start=host.now)
+    marked, reclaimed, _ = watch_idle(host, "a", ended, ended + 4000)
+    assert marked < 300 and reclaimed < 3600
+
+
+def test_idle_reasons_stay_true_and_do_not_nest():
+    host = adaptive_host()
+    host.claim("a", "alice")
+    host.tick(0)
+    ended = run_cells(host, "a", [3.7], start=0)
+    host.tick(ended + 300)
+    assert host["a"].state == LeaseState.IDLE
+    said = host["a"].reason
+    assert said == "idle: no cell and no GPU use for 5m00s"
+    host.tick(ended + 3000)
+    assert host["a"].reason == said  # still true 50 minutes on
+    host.tick(ended + 3600, carry_out=False)
+    assert host["a"].reclaim_step == Step.CHECKPOINT
+    assert "release_timeout" in host["a"].reason and depth(host["a"].reason) <= 1
+
+
+def test_a_disruptive_reclaim_reason_does_not_nest_parentheses():
+    caps = Capabilities(checkpoint=False, checkpoint_reason="the driver is 550 (570 or later checkpoints)")
+    host = hybrid_with_a_borrowed_lease(contended_idle_timeout=60, grace_period=60)
+    host.caps = caps
+    host.at(20).claim("b", "bob")
+    host.tick(70)
+    reason = host["a2"].reason
+    assert host["a2"].reclaim_step == Step.RESTART
+    assert "while bob waits" in reason and "570 or later" in reason
+    assert depth(reason) <= 1

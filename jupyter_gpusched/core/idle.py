@@ -4,12 +4,18 @@ A kernel is active while it executes a cell or its own processes use the GPU abo
 ``idle_utilization_threshold``; every idle clock runs from the last such moment. Each time a kernel
 comes back after an idle spell, the spell's length is remembered on its lease (``Lease.gaps``).
 
-The adaptive timeouts read those spells (padded with the host's recent spells while a kernel has
-few of its own) as a survival curve. At a candidate time ``t`` the question is: of the spells that
-lasted longer than ``t``, how many lasted a further ``idle_timeout``? If most did, a kernel idle for
-``t`` is probably gone for a while and its GPU is better used elsewhere. So a kernel whose pauses
-are long is reclaimed sooner than ``idle_timeout``, and one that reliably returns a little after
-``idle_timeout`` keeps its GPU until after it usually returns.
+The adaptive timeouts read those spells (padded with other kernels' recent spells while a kernel
+has few of its own) as a survival curve. At a candidate time ``t`` the question is: of the spells
+that lasted longer than ``t``, how many lasted a further ``idle_timeout``? If most did, a kernel
+idle for ``t`` is probably gone for a while and its GPU is better used elsewhere. So a kernel whose
+pauses are long is reclaimed sooner than ``idle_timeout``, and one that reliably returns a little
+after ``idle_timeout`` keeps its GPU until after it usually returns.
+
+Two rules keep this from taking a GPU back early on thin evidence. A pause past ``t`` is judged
+long only if the kernel itself has paused past ``t`` before: a kernel whose own pauses are short
+is never judged by other kernels' habits, and "never paused this long" is no evidence that the
+pause will be long. And the host's spells that pad a kernel's history are other kernels' spells:
+a kernel's own spells are never counted twice.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from .model import KernelActivity, Lease, SchedConfig
+from .units import format_duration
 
 #: Idle spells shorter than this are noise between two cells, not a pause.
 MIN_GAP = 1.0
@@ -28,21 +35,68 @@ HISTORY = 32
 OWN_SAMPLES = 6
 #: Spells needed in all before timeouts adapt at all.
 MIN_SAMPLES = 8
+#: Spells that must have lasted past ``t`` before a pause past ``t`` can be judged at all.
+MIN_BEYOND = 2
 #: Share of long remainders at which a pause is judged to be a long one.
 P_LONG = 0.6
 #: The earliest an idle lease can count idle, as a fraction of ``idle_timeout``.
 FLOOR = 0.25
 #: Step between candidate times.
 GROWTH = 1.25
+#: Recent spells per kernel that go into the host's history.
+PRIOR_PER_KERNEL = 8
+#: Spells in the host's history.
+PRIOR_LIMIT = 256
 
 
 @dataclass(frozen=True)
 class Timeouts:
-    """When a lease counts idle and when it may be reclaimed without disrupting anyone."""
+    """When a lease counts idle and when it may be reclaimed without disrupting anyone.
+
+    ``reason`` is empty where both are the configured ones (``idle_timeout``, ``release_timeout``),
+    else it says in plain words what in the kernel's history moved them (a clause without
+    parentheses, to go inside a longer sentence).
+    """
 
     idle_after: float
     keep_after: float | None
     reason: str
+
+
+@dataclass(frozen=True)
+class HostPrior:
+    """Recent idle spells of the kernels on a host, by lease, to pad short histories.
+
+    ``spells`` is every spell in the window; :meth:`excluding` is the same window without one
+    lease's own spells, which that lease already counts as its own.
+    """
+
+    segments: tuple[tuple[str, tuple[float, ...]], ...] = ()
+    limit: int = PRIOR_LIMIT
+
+    @property
+    def spells(self) -> tuple[float, ...]:
+        return self.excluding(None)
+
+    def excluding(self, lease_id: str | None) -> tuple[float, ...]:
+        """The most recent ``limit`` spells of every lease but ``lease_id``."""
+        out: list[tuple[float, ...]] = []
+        room = self.limit
+        for owner, spells in reversed(self.segments):
+            if owner == lease_id:
+                continue
+            if len(spells) >= room:
+                out.append(spells[len(spells) - room :])
+                break
+            out.append(spells)
+            room -= len(spells)
+        return tuple(s for seg in reversed(out) for s in seg)
+
+    def __len__(self) -> int:
+        return len(self.spells)
+
+    def __iter__(self):
+        return iter(self.spells)
 
 
 def observe(lease: Lease, activity: KernelActivity | None, now: float, cfg: SchedConfig) -> Lease:
@@ -93,21 +147,29 @@ def record_gap(lease: Lease, now: float) -> tuple[float, ...]:
     return (*lease.gaps, gap)[-HISTORY:]
 
 
-def _samples(lease: Lease, prior: Sequence[float]) -> list[float]:
+def _samples(lease: Lease, prior: Sequence[float] | HostPrior) -> list[float]:
     own = list(lease.gaps)
     if len(own) >= OWN_SAMPLES:
         return sorted(own)
-    return sorted(own + list(prior))
+    others = prior.excluding(lease.id) if isinstance(prior, HostPrior) else prior
+    return sorted(own + list(others))
 
 
-def _first_long_point(samples: list[float], start: float, stop: float, horizon: float) -> float | None:
-    """Smallest candidate ``t`` in [start, stop] at which a pause past ``t`` is probably long."""
+def _first_long_point(
+    samples: list[float], own: list[float], start: float, stop: float, horizon: float
+) -> float | None:
+    """Smallest candidate ``t`` in [start, stop] at which a pause past ``t`` is probably long.
+
+    ``samples`` (sorted) is the history the share is read from, ``own`` (sorted) the kernel's own
+    spells: past the longest of those, or with too few spells past ``t`` to judge, nothing is long.
+    """
     n = len(samples)
+    longest_own = own[-1] if own else 0.0
     t = start
     while t <= stop + 1e-9:
         beyond_t = n - bisect.bisect_right(samples, t)
-        if beyond_t == 0:
-            return t
+        if beyond_t < MIN_BEYOND or t >= longest_own:
+            return None  # no later candidate has more spells past it
         beyond_horizon = n - bisect.bisect_right(samples, t + horizon)
         if beyond_horizon / beyond_t >= P_LONG:
             return t
@@ -115,36 +177,41 @@ def _first_long_point(samples: list[float], start: float, stop: float, horizon: 
     return None
 
 
-def timeouts(lease: Lease, prior: Sequence[float], cfg: SchedConfig) -> Timeouts:
-    """The adaptive idle timeouts of ``lease`` (``keep_after`` None: keep while nobody waits)."""
+def timeouts(lease: Lease, prior: Sequence[float] | HostPrior, cfg: SchedConfig) -> Timeouts:
+    """The adaptive idle timeouts of ``lease`` (``keep_after`` None: keep while nobody waits).
+
+    ``prior`` is :func:`host_prior` of the host's leases (the lease's own spells in it are left
+    out), or a plain sequence of other kernels' spells.
+    """
     base_keep = cfg.release_timeout if cfg.release_timeout > 0 else None
     if cfg.policy == "static":
-        return Timeouts(cfg.idle_timeout, None, "static policy: leases are held until the kernel ends")
+        return Timeouts(cfg.idle_timeout, None, "")
     samples = _samples(lease, prior) if cfg.adaptive else []
     if len(samples) < MIN_SAMPLES or cfg.idle_timeout <= 0:
-        return Timeouts(cfg.idle_timeout, base_keep, "idle_timeout (too few idle spells to learn from)")
+        return Timeouts(cfg.idle_timeout, base_keep, "")
+    own = sorted(lease.gaps)
     horizon = cfg.idle_timeout
-    early = _first_long_point(samples, max(cfg.idle_timeout * FLOOR, 1.0), cfg.idle_timeout / GROWTH, horizon)
+    early = _first_long_point(samples, own, max(cfg.idle_timeout * FLOOR, 1.0), cfg.idle_timeout / GROWTH, horizon)
     idle_after = early if early is not None else cfg.idle_timeout
     if base_keep is None:
         # release_timeout = 0: an idle lease is kept for as long as nobody waits.
         keep = None
     else:
-        keep = _first_long_point(samples, idle_after, base_keep, horizon)
+        keep = _first_long_point(samples, own, idle_after, base_keep, horizon)
         if keep is None:
             keep = base_keep
+    reason = ""
+    if keep is not None and keep < base_keep:
+        reason = f"once this kernel pauses for {format_duration(keep)} it usually stays away a while"
     if early is not None:
-        reason = f"pauses are usually long: idle after {idle_after:.0f}s"
-    elif keep is not None and keep > idle_after * GROWTH:
-        reason = f"returns quickly: kept up to {keep:.0f}s while idle"
-    else:
-        reason = "idle_timeout"
+        reason = f"once this kernel pauses for {format_duration(idle_after)} it usually stays away a while"
     return Timeouts(idle_after, keep, reason)
 
 
-def host_prior(leases: Sequence[Lease], limit: int = 256) -> list[float]:
-    """Recent idle spells of all kernels, to pad the history of kernels that have few."""
-    spells: list[float] = []
-    for lease in leases:
-        spells.extend(lease.gaps[-8:])
-    return spells[-limit:]
+def host_prior(leases: Sequence[Lease], limit: int = PRIOR_LIMIT) -> HostPrior:
+    """Recent idle spells of all kernels, to pad the history of kernels that have few.
+
+    :func:`timeouts` leaves a lease's own spells out of it.
+    """
+    segments = tuple((lease.id, lease.gaps[-PRIOR_PER_KERNEL:]) for lease in leases if lease.gaps)
+    return HostPrior(segments, limit)

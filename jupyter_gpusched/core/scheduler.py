@@ -23,12 +23,13 @@ from .model import (
     Step,
 )
 from .placement import Occupancy, fits, occupancy, occupy, place, schedulable, vacate
+from .units import format_duration
 
 
 class _Limits:
     """Adaptive timeouts per lease, computed once per pass on first use."""
 
-    def __init__(self, prior: list[float], cfg: SchedConfig) -> None:
+    def __init__(self, prior: idle.HostPrior, cfg: SchedConfig) -> None:
         self.prior = prior
         self.cfg = cfg
         self.cache: dict[str, idle.Timeouts] = {}
@@ -129,10 +130,18 @@ class _Pass:
                 )
             elif lease.state == LeaseState.ACTIVE and not lease.busy:
                 if idle_for >= limit.idle_after:
-                    reason = f"idle for {idle_for:.0f}s ({limit.reason})"
+                    reason = self.idle_reason(limit)
                     self.set(replace(lease, state=LeaseState.IDLE, reason=reason), "idle", reason)
                 elif lease.last_active_at is not None:
                     self.wake(lease.last_active_at + limit.idle_after)
+
+    def idle_reason(self, limit: idle.Timeouts) -> str:
+        # No running count ("idle for 300s"): the record is written once and must stay true for
+        # as long as the kernel stays idle; idle_seconds in the lease's view is the live count.
+        reason = f"idle: no cell and no GPU use for {format_duration(limit.idle_after)}"
+        if limit.idle_after < self.cfg.idle_timeout and limit.reason:
+            reason += f"; {limit.reason}"
+        return reason
 
     # -- granting --------------------------------------------------------------------------
     def placement_for(
@@ -326,13 +335,17 @@ class _Pass:
             idle_for = lease.idle_seconds(self.now)
             step, _ = ladder.choose_step(lease, self.cfg, self.caps)
             gentle = step is not None and not step.disruptive
-            keep_after = limits.of(lease).keep_after
+            timeouts = limits.of(lease)
             release_after = self.cfg.release_timeout if self.cfg.release_timeout > 0 else None
-            limit = keep_after if gentle else release_after
+            limit = timeouts.keep_after if gentle else release_after
             if limit is None:
                 continue
             if idle_for >= limit:
-                out[lease.id] = f"idle for {idle_for:.0f}s (past {limit:.0f}s)"
+                if release_after is not None and limit >= release_after:
+                    why = f"idle for over {format_duration(release_after)}, the release_timeout, with nobody waiting"
+                else:
+                    why = f"idle for over {format_duration(limit)} with nobody waiting; {timeouts.reason}"
+                out[lease.id] = why
             else:
                 self.wake(lease.last_active_at + limit)
         return out
@@ -363,8 +376,8 @@ class _Pass:
                 continue
             if step.disruptive:
                 at = self.now + self.cfg.grace_period
-                # When and how are in reclaim_at and reclaim_step; the reason says why.
-                reason = f"{why} ({how})"
+                # When is in reclaim_at and the step in reclaim_step; the reason says why and how.
+                reason = f"{why}; {how}"
                 kind = "notice" if at > self.now else "reclaim"
                 self.set(
                     replace(lease, state=LeaseState.RECLAIMING, reclaim_at=at, reclaim_step=step, reason=reason),
