@@ -26,7 +26,8 @@ import psutil
 from . import core
 from .core import Capabilities, KernelActivity, Lease, LeaseState, SchedConfig, Step
 from .devices.base import DeviceBackend, DeviceSnapshot, InventoryUnavailable
-from .ledger import Ledger, LedgerError, OwnerId, is_alive
+from . import procs
+from .ledger import Checkpoint, Ledger, LedgerError, OwnerId, is_alive
 from .reclaim.checkpoint import CheckpointError, Checkpointer, Unavailable
 from .views import Principal, ViewContext, device_json, iso, lease_json, queue_json
 
@@ -244,7 +245,6 @@ class LocalArbiter(Arbiter):
         self._waiters: dict[str, asyncio.Event] = {}
         self._inflight: set[str] = set()
         self._restores: dict[str, asyncio.Task] = {}
-        self._checkpointed: dict[str, list[int]] = {}
         self._cache_asked: dict[str, float] = {}
         self._task: asyncio.Task | None = None
         self._tick_lock = asyncio.Lock()
@@ -324,11 +324,19 @@ class LocalArbiter(Arbiter):
         memory: dict[str, int] = {}
         util: dict[str, float | None] = {}
         unleased = []
+        held = {lease.kernel_id: set(lease.devices) for lease in self.state.leases if lease.holding}
         for device in snap:
             for proc in device.processes:
                 kernel_id = pid_kernel.get(proc.pid)
                 if kernel_id is None:
                     unleased.append({"pid": proc.pid, "device": device.uuid, "memory_used": proc.memory_used})
+                    continue
+                if device.uuid not in held.get(kernel_id, ()):
+                    # A kernel of this host on a GPU it holds no lease for: reported, never counted
+                    # as its lease's use (and never checkpointed with it).
+                    unleased.append(
+                        {"pid": proc.pid, "device": device.uuid, "memory_used": proc.memory_used, "kernel_id": kernel_id}
+                    )
                     continue
                 memory[kernel_id] = memory.get(kernel_id, 0) + (proc.memory_used or 0)
                 if proc.utilization is not None:
@@ -363,8 +371,10 @@ class LocalArbiter(Arbiter):
             plan, before, notices, _ = await asyncio.to_thread(self._plan_tx, activity, None)
             await self._after_plan(plan, before, notices)
             await self._finish_cache_requests()
+            await self._restore_orphans()
             if self.unleased_policy == "kill":
-                await asyncio.to_thread(self._kill_unleased)
+                for notice in await asyncio.to_thread(self._kill_unleased):
+                    self.publish(ArbiterEvent("notice", notice=notice))
             return plan
 
     async def replan(self) -> core.Plan:
@@ -594,6 +604,11 @@ class LocalArbiter(Arbiter):
         return new
 
     def _gpu_pids(self, lease: Lease) -> list[int]:
+        """The kernel's processes that use the lease's own GPUs: the only ones a reclaim touches.
+
+        The kernel's process tree is what the kernel host found (in hub mode, checked to descend
+        from its user's server); a process elsewhere, or on another GPU, is never acted on.
+        """
         tree = self._tree_cache.get(lease.kernel_id) or (
             self.kernels.process_tree(lease.kernel_id) if self.kernels else set()
         )
@@ -601,10 +616,6 @@ class LocalArbiter(Arbiter):
         for device in self.state.snapshot:
             if device.uuid in lease.devices:
                 pids.extend(p.pid for p in device.processes if p.pid in tree)
-        if not pids and self.kernels is not None:
-            pid = self.kernels.kernel_pid(lease.kernel_id)
-            if pid is not None:
-                pids.append(pid)
         return sorted(set(pids))
 
     async def _carry_out(self, lease: Lease) -> None:
@@ -640,39 +651,110 @@ class LocalArbiter(Arbiter):
 
     async def _checkpoint(self, lease: Lease, still) -> None:
         pids = self._gpu_pids(lease)
+        if not pids:
+            # Nothing of the kernel's on its GPUs (its memory went since the pass): nothing to keep.
+            why = "released while idle: the kernel held no GPU memory; its next cell asks again"
+            done = await self._update(lease, lambda cur, now: core.released(cur, now, why) if still(cur, now) else None)
+            if done is not None:
+                self._reclaimed(done, Step.RELEASE, "released", why, lease.devices)
+            return
         held = lease.memory_held
+        taken: list[Checkpoint] = []
         try:
             moved_total = 0
             for pid in pids:
+                started = procs.started(pid)
+                if started is None:
+                    continue
                 moved = await asyncio.to_thread(self.checkpointer.checkpoint, pid)
                 moved_total += moved or 0
+                record = Checkpoint(pid, started, lease.id, lease.kernel_id, tuple(lease.devices), moved, self.clock())
+                await asyncio.to_thread(self._record_checkpoint, record)
+                taken.append(record)
         except CheckpointError as exc:
             why = str(exc)
             log.warning("lease %s of kernel %s: checkpoint failed: %s", lease.id, lease.kernel_id, why)
+            for record in taken:  # put back what was already taken: all or nothing
+                await self._restore_one(record, None, lease)
             await self._update(lease, lambda cur, now: core.step_failed(cur, Step.CHECKPOINT, why))
             return
-        self._checkpointed[lease.id] = pids
         memory = moved_total or held
         done = await self._update(
             lease, lambda cur, now: core.suspended(cur, now, memory) if still(cur, now) else None
         )
         if done is None:
             # The lease changed under us (released meanwhile): put the state back where it was.
-            for pid in pids:
-                try:
-                    await asyncio.to_thread(self.checkpointer.restore, pid, None)
-                except CheckpointError:
-                    log.exception("lease %s: could not undo checkpoint of pid %s", lease.id, pid)
+            for record in taken:
+                await self._restore_one(record, None, lease)
             return
         log.info(
             "lease %s of kernel %s suspended: GPU state of pids %s checkpointed (%s) from %s",
             lease.id,
             lease.kernel_id,
-            pids,
+            [r.pid for r in taken],
             core.format_bytes(memory),
             ",".join(lease.devices),
         )
         self._reclaimed(done, Step.CHECKPOINT, "suspended", done.reason)
+
+    def _record_checkpoint(self, record: Checkpoint) -> None:
+        with self.ledger.transaction(self.clock()) as tx:
+            tx.add_checkpoint(record)
+
+    def _drop_checkpoint(self, record: Checkpoint) -> None:
+        with self.ledger.transaction(self.clock()) as tx:
+            tx.drop_checkpoint(record.pid, record.create_time)
+
+    async def _restore_one(self, record: Checkpoint, device_map: Mapping[str, str] | None, lease: Lease) -> bool:
+        """Restore one checkpointed process (if it still runs) and forget its checkpoint.
+
+        Returns False if the restore failed; the checkpoint is forgotten either way, as the driver
+        gives no second try (the process's GPU state is lost then, and the log says so).
+        """
+        try:
+            if procs.same_process(record.pid, record.create_time):
+                await asyncio.to_thread(self.checkpointer.restore, record.pid, device_map)
+            return True
+        except CheckpointError as exc:
+            log.error(
+                "lease %s of kernel %s: restoring pid %s failed, its GPU state is lost: %s",
+                lease.id, lease.kernel_id, record.pid, exc,
+            )
+            return False
+        finally:
+            await asyncio.to_thread(self._drop_checkpoint, record)
+
+    async def _restore_orphans(self) -> None:
+        """Every checkpoint this ledger took is restored, whatever became of its lease.
+
+        A suspended lease's processes wait for their kernel's next cell. Any other checkpoint
+        (its lease released by the user, by a disconnect or a crash, or the arbiter restarted
+        halfway) is restored now, onto the GPU it came from, if its process still runs.
+        """
+        records = await asyncio.to_thread(self.ledger.checkpoints)
+        if not records:
+            return
+        live = {lease.id: lease for lease in self.state.leases}
+        for record in records:
+            lease = live.get(record.lease_id)
+            waiting = lease is not None and (
+                lease.state == LeaseState.SUSPENDED or (lease.home and lease.state == LeaseState.PENDING)
+            )
+            if waiting or record.lease_id in self._restores or record.lease_id in self._inflight:
+                continue
+            gone = self._find_quiet(record.lease_id)
+            ok = await self._restore_one(record, None, gone or lease or _placeholder(record))
+            if ok and procs.same_process(record.pid, record.create_time):
+                log.warning(
+                    "lease %s of kernel %s is no longer suspended: restored pid %s onto %s so that it is not left frozen",
+                    record.lease_id, record.kernel_id, record.pid, ",".join(record.devices),
+                )
+
+    def _find_quiet(self, lease_id: str) -> Lease | None:
+        try:
+            return self._find(lease_id)
+        except NotFound:
+            return None
 
     def _reclaimed(self, lease: Lease, step: Step, kind: str, message: str, devices: Iterable[str] = ()) -> None:
         devices = ",".join(devices) or ",".join(lease.home) or "-"
@@ -683,12 +765,16 @@ class LocalArbiter(Arbiter):
 
     async def _restore(self, lease: Lease) -> None:
         device_map = dict(zip(lease.home, lease.devices))
-        pids = self._checkpointed.pop(lease.id, None) or self._gpu_pids(lease)
+        records = await asyncio.to_thread(self.ledger.checkpoints, lease.id)
+        failed = []
         try:
-            for pid in pids:
-                await asyncio.to_thread(self.checkpointer.restore, pid, device_map)
-        except CheckpointError as exc:
-            why = f"restore failed, the kernel's GPU state is lost: {exc}"
+            for record in records:
+                if not await self._restore_one(record, device_map, lease):
+                    failed.append(record.pid)
+        finally:
+            self._restores.pop(lease.id, None)
+        if failed:
+            why = f"restore failed, the kernel's GPU state is lost (pids {failed})"
             log.error("lease %s of kernel %s: %s", lease.id, lease.kernel_id, why)
             await self._update(lease, lambda cur, now: core.released(cur, now, why))
             self.publish(ArbiterEvent("notice", notice=_notice("lost", lease, why)))
@@ -698,12 +784,10 @@ class LocalArbiter(Arbiter):
                 lease.id,
                 lease.kernel_id,
                 ",".join(lease.devices),
-                pids,
+                [r.pid for r in records],
             )
             self.publish(ArbiterEvent("notice", notice=_notice("resumed", lease, lease.reason)))
-        finally:
-            self._restores.pop(lease.id, None)
-            self._wake(lease.id)
+        self._wake(lease.id)
 
     async def _finish_cache_requests(self) -> None:
         now = self.clock()
@@ -717,40 +801,74 @@ class LocalArbiter(Arbiter):
                     lease, lambda cur, now: core.step_done(cur, Step.FREE_CACHE, "framework caches dropped")
                 )
 
-    def _kill_unleased(self) -> None:
+    def _kill_unleased(self) -> list[dict]:
         """Enforcement: end GPU processes of this Unix user that no lease covers.
 
-        A process is spared if it descends from the owner process of any live lease (kernels of
-        other servers on the same ledger included), and it is ended only when seen without a
-        lease at two ticks in a row (a kernel may be between its grant and this tick's view).
+        Only processes that the inventory lists on a GPU this tick, that belong to this server's
+        Unix user, and that are not inside the process tree of any live lease's kernel (kernels
+        of other servers on the same ledger included) are ended, and only when seen so at two
+        ticks in a row (a kernel may be between its grant and this tick's view). A kernel of this
+        server that uses a GPU it holds no lease for is told first, in its notebook; its process
+        on that GPU is ended at the next tick if it is still there. Returns the notices to send.
         """
-        pids = {item["pid"] for item in self.state.unleased}
-        if not pids:
+        notices: list[dict] = []
+        foreign = {item["pid"] for item in self.state.unleased if not item.get("kernel_id")}
+        outside = {item["pid"]: item for item in self.state.unleased if item.get("kernel_id")}
+        if not foreign and not outside:
             self._unleased_seen = set()
-            return
-        owners = self.ledger.owners()
-        live = {lease.id for lease in self.state.leases}
+            return notices
         protected: set[int] = set()
-        for lease_id, owner in owners.items():
-            if lease_id not in live:
-                continue
-            try:
-                root = psutil.Process(owner.process.pid)
-                protected |= {root.pid} | {child.pid for child in root.children(recursive=True)}
-            except psutil.Error:
-                continue
-        suspects = pids - protected
+        live = {lease.id for lease in self.state.leases}
+        owner_roots = [owner.process.pid for lease_id, owner in self.ledger.owners().items() if lease_id in live]
+        leased_kernels = {lease.kernel_id for lease in self.state.leases}
+        for kernel_id, tree in self._tree_cache.items():
+            if kernel_id in leased_kernels:
+                protected |= tree
+        if owner_roots:
+            for tree in procs.process_trees(dict(enumerate(owner_roots))).values():
+                protected |= tree
+        me = os.getpid()
+        suspects = {pid for pid in foreign - protected if pid != me and not procs.descends_from(me, pid)}
+        suspects |= {pid for pid in outside if pid != me}
         due = suspects & self._unleased_seen
         self._unleased_seen = suspects
+        for pid in sorted(suspects - due):
+            item = outside.get(pid)
+            if item is None:
+                continue
+            gpu = next((d.index for d in self.state.snapshot if d.uuid == item["device"]), item["device"])
+            notices.append(
+                {
+                    "kind": "outside_lease",
+                    "lease_id": None,
+                    "kernel_id": item["kernel_id"],
+                    "user": "",
+                    "message": (
+                        f"Process {pid} of this kernel uses GPU {gpu}, which the kernel holds no lease for: "
+                        "it will be ended at the next check (unleased_processes = 'kill'). "
+                        "Ask for that GPU with %gpu acquire instead."
+                    ),
+                    "reclaim_at": None,
+                    "state": None,
+                }
+            )
+            log.warning(
+                "kernel %s: process %s uses GPU %s outside its lease; told the kernel, ending it at the next check",
+                item["kernel_id"], pid, item["device"],
+            )
         for pid in sorted(due):
+            if pid not in {item["pid"] for item in self.state.unleased}:
+                continue  # no longer on a GPU
             try:
                 proc = psutil.Process(pid)
-                if proc.uids().real != os.getuid() or pid == os.getpid():
+                if proc.uids().real != os.getuid():
                     continue
                 proc.terminate()
             except psutil.Error:
                 continue
-            log.warning("ended GPU process %s: it holds GPU memory without a lease (unleased_processes = 'kill')", pid)
+            why = "it uses a GPU outside its kernel's lease" if pid in outside else "it holds GPU memory without a lease"
+            log.warning("ended GPU process %s: %s (unleased_processes = 'kill')", pid, why)
+        return notices
 
     # -- reads -----------------------------------------------------------------------------
     def _ctx(self) -> ViewContext:
@@ -1061,6 +1179,11 @@ def _gpus(lease: Lease, snapshot: Iterable[DeviceSnapshot]) -> str:
     index = {d.uuid: d for d in snapshot}
     names = [f"GPU {index[u].index} ({index[u].name})" if u in index else u for u in lease.devices]
     return ", ".join(names) or "no GPU"
+
+
+def _placeholder(record: Checkpoint) -> Lease:
+    """A stand-in lease for log lines about a checkpoint whose lease is no longer in the ledger."""
+    return core.Lease(id=record.lease_id, kernel_id=record.kernel_id, user="", count=1)
 
 
 def _notice(kind: str, lease: Lease, message: str) -> dict:

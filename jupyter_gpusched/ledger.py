@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "SCHEMA_VERSION",
+    "Checkpoint",
     "Event",
     "Ledger",
     "LedgerBusy",
@@ -333,10 +334,52 @@ def _v2(conn: sqlite3.Connection) -> None:
         )
 
 
+def _v3(conn: sqlite3.Connection) -> None:
+    """Checkpoints taken: every suspended process is restored, whatever becomes of its lease."""
+    conn.execute(
+        """CREATE TABLE checkpoints (
+            pid INTEGER NOT NULL,
+            create_time REAL NOT NULL,
+            lease_id TEXT NOT NULL,
+            kernel_id TEXT NOT NULL,
+            devices TEXT NOT NULL,
+            memory INTEGER,
+            taken_at REAL NOT NULL,
+            PRIMARY KEY (pid, create_time)
+        )"""
+    )
+    conn.execute("CREATE INDEX checkpoints_lease ON checkpoints(lease_id)")
+
+
 #: ``MIGRATIONS[n]`` takes a file from schema ``n`` to ``n + 1``; a new file runs them all.
-MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_v1, _v2)
+MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_v1, _v2, _v3)
 SCHEMA_VERSION = len(MIGRATIONS)
-_TABLES = frozenset({"leases", "events", "owners", "devices"})
+_TABLES = frozenset({"leases", "events", "owners", "devices", "checkpoints"})
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A process whose GPU state this ledger's arbiter moved to host memory and must bring back."""
+
+    pid: int
+    create_time: float
+    lease_id: str
+    kernel_id: str
+    devices: tuple[str, ...]
+    memory: int | None
+    taken_at: float
+
+
+def _select_checkpoints(conn: sqlite3.Connection, lease_id: str | None = None) -> list[Checkpoint]:
+    sql = "SELECT pid, create_time, lease_id, kernel_id, devices, memory, taken_at FROM checkpoints"
+    args: tuple[Any, ...] = ()
+    if lease_id is not None:
+        sql += " WHERE lease_id = ?"
+        args = (lease_id,)
+    return [
+        Checkpoint(r[0], r[1], r[2], r[3], _strs(r[4]), r[5], r[6])
+        for r in conn.execute(sql + " ORDER BY taken_at, pid", args)
+    ]
 
 
 def _user_tables(conn: sqlite3.Connection) -> set[str]:
@@ -471,6 +514,24 @@ class Transaction:
     def owners(self) -> dict[str, Owner]:
         """Owner of each lease that has one, by lease id."""
         return _select_owners(self._c())
+
+    # checkpoints
+    def add_checkpoint(self, checkpoint: Checkpoint) -> None:
+        """Record a process whose GPU state was just checkpointed."""
+        c = checkpoint
+        self._c().execute(
+            """INSERT OR REPLACE INTO checkpoints (pid, create_time, lease_id, kernel_id, devices, memory, taken_at)
+               VALUES (?, ?, ?, ?, ?, ?, ?)""",
+            (c.pid, c.create_time, c.lease_id, c.kernel_id, _dump(c.devices), c.memory, c.taken_at),
+        )
+
+    def checkpoints(self, lease_id: str | None = None) -> list[Checkpoint]:
+        """Checkpointed processes not restored yet, of one lease or all."""
+        return _select_checkpoints(self._c(), lease_id)
+
+    def drop_checkpoint(self, pid: int, create_time: float) -> None:
+        """The process was restored (or is gone): forget its checkpoint."""
+        self._c().execute("DELETE FROM checkpoints WHERE pid = ? AND create_time = ?", (pid, create_time))
 
     # devices
     def drained(self) -> dict[str, str]:
@@ -761,6 +822,10 @@ class Ledger:
     def drained(self) -> dict[str, str]:
         """Drained devices: uuid -> the admin's reason."""
         return self._read(_select_drained)
+
+    def checkpoints(self, lease_id: str | None = None) -> list[Checkpoint]:
+        """Checkpointed processes not restored yet, of one lease or all."""
+        return self._read(lambda c: _select_checkpoints(c, lease_id))
 
     def events(self, lease_id: str | None = None, *, since: int = 0) -> list[Event]:
         """The history in order, after sequence number ``since``, of one lease or all."""

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from jupyter_gpusched import procs
 from jupyter_gpusched.hub.remote import HeartbeatError, RemoteKernels, parse_kernel_report
 
 
@@ -56,15 +57,74 @@ def child():
     proc.wait(10)
 
 
+def settle(pid: int, timeout: float = 10.0) -> None:
+    """Wait until ``pid`` has started up and sleeps (its CPU time stops growing)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    last = procs.runtime_ns([pid])
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = procs.runtime_ns([pid])
+        if now == last:
+            return
+        last = now
+
+
+class ServerProcess:
+    """A stand-in single-user server: a real process with a real "kernel" child process."""
+
+    def __init__(self) -> None:
+        code = (
+            "import subprocess, sys, time\n"
+            "k = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            "print(k.pid, flush=True)\n"
+            "time.sleep(60)\n"
+        )
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        self.pid = self.proc.pid
+        self.kernel_pid = int(self.proc.stdout.readline())
+        settle(self.kernel_pid)
+
+    def close(self) -> None:
+        for pid in (self.kernel_pid, self.pid):
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass
+        self.proc.wait(10)
+        self.proc.stdout.close()
+
+
+@pytest.fixture
+def servers():
+    made: list[ServerProcess] = []
+
+    def make() -> ServerProcess:
+        made.append(ServerProcess())
+        return made[-1]
+
+    yield make
+    for server in made:
+        server.close()
+
+
+def connect(kernels, server_id, user, conn=None, pid=None):
+    """Connect a server whose process (checked by the broker beforehand) is ``pid``: by default
+    this test's own process, so that its children count as the server's kernels."""
+    pid = pid or os.getpid()
+    return kernels.connect(server_id, user, pid, conn or Conn(), pid_started=procs.started(pid))
+
+
 def beat(kernels, server_id, **reports):
     return kernels.heartbeat(server_id, {kid: dict(info) for kid, info in reports.items()})
 
 
 def test_a_reported_kernel_is_alive_and_ends_when_its_server_stops_reporting_it(kernels, clock, child):
-    kernels.connect("s1", "alice", 100, Conn())
+    connect(kernels, "s1", "alice", Conn())
     assert beat(kernels, "s1", k1={"busy": True, "pid": child.pid, "pids": [child.pid]}) == []
     assert kernels.alive("k1") is True and kernels.user_of("k1") == "alice"
-    assert kernels.activity()["k1"][0] is True
+    assert kernels.activity()["k1"][0] is False, "said busy, but its process sleeps: not busy"
     assert kernels.kernel_pid("k1") == child.pid and kernels.process_tree("k1") == {child.pid}
     beat(kernels, "s1")
     assert kernels.alive("k1") is False and kernels.user_of("k1") == "alice"
@@ -72,8 +132,8 @@ def test_a_reported_kernel_is_alive_and_ends_when_its_server_stops_reporting_it(
 
 
 def test_a_kernel_belongs_to_the_first_user_and_never_changes_hands(kernels):
-    kernels.connect("s1", "alice", None, Conn())
-    kernels.connect("s2", "mallory", None, Conn())
+    connect(kernels, "s1", "alice", Conn())
+    connect(kernels, "s2", "mallory", Conn())
     beat(kernels, "s1", k1={})
     problems = beat(kernels, "s2", k1={"busy": True})
     assert problems and "another user" in problems[0]
@@ -81,7 +141,7 @@ def test_a_kernel_belongs_to_the_first_user_and_never_changes_hands(kernels):
     with pytest.raises(PermissionError):
         kernels.register("k1", "mallory", "s2")
     with pytest.raises(PermissionError):
-        kernels.connect("s1", "mallory", None, Conn())
+        connect(kernels, "s1", "mallory", Conn())
     with pytest.raises(PermissionError):
         kernels.register("k9", "mallory", "s1")
     # An ended kernel's id stays its user's.
@@ -90,17 +150,97 @@ def test_a_kernel_belongs_to_the_first_user_and_never_changes_hands(kernels):
         kernels.register("k1", "mallory", "s2")
 
 
-def test_pids_of_another_users_kernel_are_not_taken(kernels, child):
-    kernels.connect("s1", "alice", None, Conn())
-    kernels.connect("s2", "mallory", None, Conn())
-    beat(kernels, "s1", k1={"pid": child.pid, "pids": [child.pid]})
-    beat(kernels, "s2", k2={"pid": child.pid, "pids": [child.pid, 4242]})
-    assert kernels.kernel_pid("k2") is None and kernels.process_tree("k2") == {4242}
-    assert kernels.process_tree("k1") == {child.pid}
+def test_pids_of_another_users_kernel_are_not_taken(kernels, servers):
+    a, m = servers(), servers()
+    connect(kernels, "s1", "alice", pid=a.pid)
+    connect(kernels, "s2", "mallory", pid=m.pid)
+    assert beat(kernels, "s1", k1={"pid": a.kernel_pid}) == []
+    problems = beat(kernels, "s2", k2={"pid": a.kernel_pid, "pids": [a.kernel_pid, 4242]})
+    assert problems and "not a process of this server" in problems[0]
+    kernels.process_trees()
+    kernels.activity()
+    assert kernels.kernel_pid("k2") is None and kernels.process_tree("k2") == set()
+    assert kernels.process_tree("k1") == {a.kernel_pid}
+
+
+def test_a_server_is_believed_only_about_its_own_processes(kernels, servers, clock):
+    """A forged server (any process id it names) cannot claim processes it did not start: not
+    another user's job, not the broker, not init, not its own server process."""
+    mallory = servers()
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        connect(kernels, "s9", "mallory", pid=mallory.pid)
+        for pid in (victim.pid, os.getpid(), 1, mallory.pid, 999_999):
+            problems = beat(kernels, "s9", fake={"busy": True, "pid": pid})
+            assert problems and "ignored" in problems[0], pid
+            assert kernels.kernel_pid("fake") is None
+        trees = kernels.process_trees()
+        assert trees["fake"] == set()
+        # Its own kernel's processes are found by the broker, children included; a list is ignored.
+        assert beat(kernels, "s9", own={"pid": mallory.kernel_pid, "pids": list(range(2, 250))}) == []
+        kernels.process_trees()
+        kernels.activity()
+        assert kernels.process_tree("own") == {mallory.kernel_pid}
+    finally:
+        victim.kill()
+        victim.wait(10)
+
+
+def test_busy_counts_only_with_evidence(clock, servers):
+    """A server's word that its kernel is busy counts only while the kernel's processes run on
+    the CPU (or use a GPU), and not forever without the GPU."""
+    wall = Clock()
+    gpu_use: dict[int, float] = {}
+    kernels = RemoteKernels(
+        "broker", heartbeat_timeout=10, clock=clock, wall_clock=wall, gpu_use=lambda: dict(gpu_use),
+        max_busy_without_gpu=100.0,
+    )
+    server = servers()
+    connect(kernels, "s1", "bob", pid=server.pid)
+    # A sleeping process, reported busy with activity "now", every time: never busy for the broker.
+    for _ in range(3):
+        wall.now += 5
+        clock.now += 5
+        beat(kernels, "s1", k={"busy": True, "pid": server.kernel_pid, "last_busy_at": wall.now, "started_at": 1.0})
+        kernels.process_trees()
+        busy, last, _ = kernels.activity()["k"]
+        assert busy is False and last is None
+    # The same kernel on the GPU: busy it is.
+    gpu_use[server.kernel_pid] = 80.0
+    busy, last, _ = kernels.activity()["k"]
+    assert busy is True and last == wall.now
+    # A kernel that really runs on the CPU: busy, but only up to max_busy_without_gpu.
+    spinner = ServerProcess.__new__(ServerProcess)
+    code = (
+        "import subprocess, sys, time\n"
+        "k = subprocess.Popen([sys.executable, '-c', 'while True: pass'])\n"
+        "print(k.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    spinner.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    spinner.pid, spinner.kernel_pid = spinner.proc.pid, int(spinner.proc.stdout.readline())
+    try:
+        connect(kernels, "s2", "bob", pid=spinner.pid)
+        results = []
+        for _ in range(30):
+            wall.now += 5
+            clock.now += 5
+            beat(kernels, "s2", c={"busy": True, "pid": spinner.kernel_pid, "last_busy_at": wall.now})
+            beat(kernels, "s1", k={"busy": False, "pid": server.kernel_pid})
+            kernels.process_trees()
+            import time as _time
+
+            _time.sleep(0.02)
+            kernels.process_trees()
+            results.append(kernels.activity()["c"][0])
+        assert results[1] is True, "a kernel that computes is busy"
+        assert results[-1] is False, "claimed busy for 150 s without the GPU: no longer"
+    finally:
+        spinner.close()
 
 
 def test_a_claimed_kernel_is_alive_while_it_launches(kernels, clock):
-    kernels.connect("s1", "alice", None, Conn())
+    connect(kernels, "s1", "alice", Conn())
     kernels.register("k1", "alice", "s1")
     beat(kernels, "s1")  # a heartbeat sent before the kernel existed
     assert kernels.alive("k1") is True
@@ -110,7 +250,7 @@ def test_a_claimed_kernel_is_alive_while_it_launches(kernels, clock):
 
 def test_a_stopped_servers_kernels_go_with_their_processes(kernels, clock, child):
     conn = Conn()
-    kernels.connect("s1", "alice", None, conn)
+    connect(kernels, "s1", "alice", conn)
     beat(kernels, "s1", k1={"pid": child.pid, "pids": [child.pid]})
     kernels.disconnect("s1", conn)
     assert kernels.alive("k1") is True, "just disconnected: the kernel's process still runs"
@@ -121,7 +261,7 @@ def test_a_stopped_servers_kernels_go_with_their_processes(kernels, clock, child
 
 
 def test_a_silent_servers_kernels_keep_their_leases_only_while_on_a_gpu(kernels, clock, gpu, child):
-    kernels.connect("s1", "alice", None, Conn())
+    connect(kernels, "s1", "alice", Conn())
     beat(kernels, "s1", k1={"pid": child.pid, "pids": [child.pid]})
     clock.now += 5
     assert kernels.alive("k1") is True
@@ -136,7 +276,7 @@ def test_a_silent_servers_kernels_keep_their_leases_only_while_on_a_gpu(kernels,
 
 def test_orders_go_to_the_kernels_server(kernels):
     conn = Conn()
-    kernels.connect("s1", "alice", None, conn)
+    connect(kernels, "s1", "alice", conn)
     beat(kernels, "s1", k1={})
     asyncio.run(kernels.restart("k1"))
     asyncio.run(kernels.shutdown("k1"))
@@ -165,7 +305,7 @@ def test_malformed_heartbeat_entries_are_refused(kernel_id, info, words):
 
 
 def test_a_malformed_heartbeat_leaves_the_rest_alone(kernels):
-    kernels.connect("s1", "alice", None, Conn())
+    connect(kernels, "s1", "alice", Conn())
     with pytest.raises(HeartbeatError):
         kernels.heartbeat("s1", ["k1"])
     with pytest.raises(HeartbeatError):
@@ -221,14 +361,19 @@ def test_kernels_claimed_for_but_never_reported_are_forgotten(kernels, clock):
 
 def test_a_kernel_whose_process_died_but_is_still_listed_is_restarting(kernels, child):
     conn = Conn()
-    kernels.connect("s1", "alice", None, conn)
+    connect(kernels, "s1", "alice", conn)
     beat(kernels, "s1", k1={"pid": child.pid, "pids": [child.pid]})
     assert kernels.restarting("k1") is False
     child.kill()
     child.wait(10)
     assert kernels.restarting("k1") is True, "the server restarts it: a new process takes over"
     assert kernels.alive("k1") is True
-    beat(kernels, "s1", k1={"pid": os.getpid(), "pids": [os.getpid()]})
-    assert kernels.restarting("k1") is False and kernels.kernel_pid("k1") == os.getpid()
-    beat(kernels, "s1", k1={"restarting": True, "pid": os.getpid()})
-    assert kernels.restarting("k1") is True
+    new = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        beat(kernels, "s1", k1={"pid": new.pid, "pids": [new.pid]})
+        assert kernels.restarting("k1") is False and kernels.kernel_pid("k1") == new.pid
+        beat(kernels, "s1", k1={"restarting": True, "pid": new.pid})
+        assert kernels.restarting("k1") is True
+    finally:
+        new.kill()
+        new.wait(10)

@@ -37,6 +37,7 @@ from jupyter_gpusched.core import (
 )
 from jupyter_gpusched.ledger import (
     SCHEMA_VERSION,
+    Checkpoint,
     Event,
     Ledger,
     LedgerBusy,
@@ -394,7 +395,7 @@ def test_migrates_a_version_1_file(tmp_path):
     path = tmp_path / "v1.sqlite"
     write_v1(path)
     with Ledger(path) as led:
-        assert led.schema_version == SCHEMA_VERSION == 2
+        assert led.schema_version == SCHEMA_VERSION == 3
         old = led.lease("old")
         assert old.state == LeaseState.ACTIVE and old.devices == ("GPU-0",) and old.gaps == (2.5,)
         assert [(e.kind, e.pid) for e in led.events()] == [("claim", None), ("grant", None)]
@@ -405,6 +406,13 @@ def test_migrates_a_version_1_file(tmp_path):
             tx.put(released(tx.lease("old"), tx.now, "done"))
         assert led.events()[-1].pid == os.getpid()
         assert led.check(DEVICES) == []
+        # What version 3 added too: checkpoints taken are kept until their process is restored.
+        with led.transaction() as tx:
+            tx.add_checkpoint(Checkpoint(4242, 99.5, "old", "k-old", ("GPU-0",), 2**30, tx.now))
+        assert [(c.pid, c.lease_id, c.devices) for c in led.checkpoints()] == [(4242, "old", ("GPU-0",))]
+        with led.transaction() as tx:
+            tx.drop_checkpoint(4242, 99.5)
+        assert led.checkpoints() == []
 
 
 def test_failed_migration_changes_nothing(tmp_path):

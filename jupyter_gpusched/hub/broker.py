@@ -48,7 +48,7 @@ from ..arbiter import (
     NotFound,
 )
 from ..core import Lease
-from .. import api_input
+from .. import api_input, procs
 from ..config import SchedulingConfig, open_inventory
 from ..api_input import bad_input
 from ..views import Principal, iso
@@ -63,6 +63,8 @@ DEFAULT_URL = "http://127.0.0.1:10101"
 DEFAULT_PREFIX = "/services/gpusched/"
 #: Events are sent in batches at most this often (seconds); a batch has each lease's latest state.
 EVENT_BATCH = 0.2
+#: The largest websocket message the broker reads: a full heartbeat of the most kernels fits.
+MAX_MESSAGE = 256 * 1024
 #: The longest a server has to carry out a restart or shutdown order.
 ORDER_TIMEOUT = 120.0
 _ID = r"(?P<lease_id>[A-Za-z0-9_\-]{1,128})"
@@ -144,6 +146,11 @@ class Broker:
                 raise NotFound(
                     f"no running kernel {kernel_id!r} on your servers (a server that asks for a kernel "
                     f"it has not reported yet names itself in {SERVER_HEADER})"
+                )
+            if not self.kernels.verified_server(who.server_id, who.user):
+                raise NotFound(
+                    f"no running kernel {kernel_id!r} on your servers: server {who.server_id} is not "
+                    "connected to the GPU broker (a server connects when it starts)"
                 )
             try:
                 self.kernels.register(kernel_id, who.user, who.server_id)
@@ -269,6 +276,23 @@ async def _replan(arbiter: LocalArbiter) -> None:
     await (replan() if replan is not None else arbiter.tick())
 
 
+def _gpu_use(snapshot) -> dict[int, float | None]:
+    """GPU utilization by process (percent; None where the driver does not say).
+
+    Where per-process figures are missing, a process alone on its GPU is given the device's.
+    """
+    out: dict[int, float | None] = {}
+    for device in snapshot:
+        alone = len(device.processes) == 1
+        for proc in device.processes:
+            util = proc.utilization
+            if util is None and alone:
+                util = device.utilization
+            if util is not None or proc.pid not in out:
+                out[proc.pid] = max(util, out.get(proc.pid) or 0.0) if util is not None else out.get(proc.pid)
+    return out
+
+
 def _with_unix_user(item: dict) -> dict:
     out = dict(item)
     try:
@@ -305,6 +329,7 @@ class _Hub:
                 f"{name} may not use the GPU broker: the token lacks the scope "
                 f"{sorted(scopes)[-1]} (see c.Spawner.server_token_scopes and the user role)",
             )
+        self.token = token
         kernel_id = self.request.headers.get(KERNEL_HEADER) or None
         server_id = self.request.headers.get(SERVER_HEADER) or ""
         for value, what in ((kernel_id, KERNEL_HEADER), (server_id, SERVER_HEADER)):
@@ -530,10 +555,27 @@ class ServerSocket(_Socket):
             pid = int(self.request.headers.get(PID_HEADER) or 0) or None
         except ValueError:
             pid = None
+        if pid is None or pid <= 1:
+            self.close(4400, f"a server names its own process id in {PID_HEADER}")
+            return
+        started: float | None
+        if self.app.verify_server_processes:
+            try:
+                started = procs.check_server_process(pid, who.user, self.token)
+            except procs.NotTheirs as exc:
+                log.warning("refused a server connection of %s (server id %s): %s", who.user, server_id, exc)
+                self.close(4403, f"refused: {exc}")
+                return
+        else:
+            started = procs.started(pid)
+            if started is None:
+                self.close(4403, f"refused: process {pid} does not run here")
+                return
         try:
-            self.broker.kernels.connect(server_id, who.user, pid, self)
+            self.broker.kernels.connect(server_id, who.user, pid, self, pid_started=started)
         except PermissionError as exc:
-            self.close(4403, str(exc))
+            log.warning("refused a server connection of %s (server id %s): %s", who.user, server_id, exc)
+            self.close(4403, str(exc)[:120])
             return
         self.server_id = server_id
         self.broker.sockets.add(self)
@@ -647,6 +689,37 @@ class GPUBroker(SchedulingConfig, Application):
         reported on the admin page).""",
     ).tag(config=True)
 
+    verify_server_processes = Bool(
+        True,
+        help="""Check that the process a single-user server names when it connects is that user's
+        server: its environment must hold the very API token the connection presents (or, where
+        the broker cannot read it, the process must belong to the Unix user of the hub user's
+        name). Kernel processes must then descend from it. False trusts the named process (only
+        for a broker that cannot see the servers' processes); reported kernels are still
+        checked to descend from it.""",
+    ).tag(config=True)
+
+    max_servers_per_user = Int(
+        8, help="Servers one hub user may have connected at once; more are refused. At least 1."
+    ).tag(config=True)
+
+    max_kernels_per_server = Int(
+        128, help="Kernels one server may report in a heartbeat; a bigger heartbeat is refused. At least 1."
+    ).tag(config=True)
+
+    max_processes_per_kernel = Int(
+        256,
+        help="""Processes of one kernel's tree the broker follows (the kernel and its nearest
+        descendants); GPU processes beyond them count as outside every lease. At least 1.""",
+    ).tag(config=True)
+
+    max_busy_without_gpu = Float(
+        3 * 3600.0,
+        help="""Seconds a server may keep saying a kernel is busy while its processes use the CPU
+        but not the GPU; after that the lease can count idle. A server's word that a kernel is busy
+        counts only while its processes are seen running in any case. 0: no such bound.""",
+    ).tag(config=True)
+
     simulated_state_path = Unicode(
         "",
         help="""File where simulated GPUs record which processes use them; empty: next to the
@@ -692,6 +765,18 @@ class GPUBroker(SchedulingConfig, Application):
     def _valid_pending(self, proposal):
         if proposal["value"] < 0:
             raise TraitError("max_pending_per_user must be 0 (no limit) or more")
+        return proposal["value"]
+
+    @validate("max_servers_per_user", "max_kernels_per_server", "max_processes_per_kernel")
+    def _at_least_one(self, proposal):
+        if proposal["value"] < 1:
+            raise TraitError(f"{proposal['trait'].name} must be at least 1")
+        return proposal["value"]
+
+    @validate("max_busy_without_gpu")
+    def _not_negative(self, proposal):
+        if proposal["value"] < 0:
+            raise TraitError("max_busy_without_gpu must be 0 (no bound) or more seconds")
         return proposal["value"]
 
     @validate("heartbeat_interval", "heartbeat_timeout")
@@ -748,7 +833,16 @@ class GPUBroker(SchedulingConfig, Application):
             self.broker_id,
             heartbeat_timeout=self.heartbeat_timeout,
             launch_grace=max(60.0, 2 * self.heartbeat_timeout),
+            utilization_threshold=self.idle_utilization_threshold,
+            max_servers_per_user=self.max_servers_per_user,
+            max_kernels_per_server=self.max_kernels_per_server,
+            max_processes_per_kernel=self.max_processes_per_kernel,
+            max_busy_without_gpu=self.max_busy_without_gpu or float("inf"),
         )
+        if not self.verify_server_processes:
+            self.log.warning(
+                "verify_server_processes is off: the broker trusts the process each server names"
+            )
         self.arbiter = LocalArbiter(
             cfg=self.sched_config(),
             ledger=self.ledger,
@@ -762,6 +856,7 @@ class GPUBroker(SchedulingConfig, Application):
             metrics=Metrics(),
         )
         self.kernels.gpu_pids = lambda: {p.pid for d in self.arbiter.state.snapshot for p in d.processes}
+        self.kernels.gpu_use = lambda: _gpu_use(self.arbiter.state.snapshot)
         self.broker = Broker(self.arbiter, self.kernels, heartbeat_interval=self.heartbeat_interval)
         self.hub_auth = HubOAuth(parent=self, cache_max_age=60)
         if not self.hub_auth.api_token:
@@ -792,7 +887,7 @@ class GPUBroker(SchedulingConfig, Application):
             handlers,
             cookie_secret=os.urandom(32),
             xsrf_cookies=True,
-            websocket_max_message_size=4 * 1024 * 1024,
+            websocket_max_message_size=MAX_MESSAGE,
             websocket_ping_interval=30,
             log_function=self._log_request,
             hub_auth=self.hub_auth,

@@ -314,31 +314,25 @@ class BrokerClient(Arbiter):
                 pass
 
     async def heartbeat(self) -> dict:
-        """This server's kernels: execution state, last activity, process ids, notebook."""
+        """This server's kernels: execution state, last activity, process id, notebook.
+
+        The broker finds each kernel's child processes itself (it believes no list of them).
+        """
         refresh = getattr(self.kernels, "refresh_notebooks", None)
         if refresh is not None:
             await refresh()
         states = self.kernels.activity()
-        trees = await asyncio.to_thread(self._trees, list(states))
         kernels = {}
         for kernel_id, (busy, last_busy_at, started_at) in states.items():
-            tree = trees.get(kernel_id) or set()
             kernels[kernel_id] = {
                 "busy": bool(busy),
                 "last_busy_at": last_busy_at,
                 "started_at": started_at,
                 "pid": self.kernels.kernel_pid(kernel_id),
-                "pids": sorted(tree),
                 "notebook": self.kernels.notebook(kernel_id),
                 "restarting": bool(self.kernels.restarting(kernel_id)),
             }
         return {"type": "heartbeat", "kernels": kernels}
-
-    def _trees(self, kernel_ids: list[str]) -> dict[str, set[int]]:
-        batch = getattr(self.kernels, "process_trees", None)
-        if batch is not None:
-            return batch()
-        return {kid: self.kernels.process_tree(kid) for kid in kernel_ids}
 
     # -- HTTP -------------------------------------------------------------------------------------
     async def call(

@@ -4,8 +4,16 @@
 ``LocalArbiter`` that schedules one server's kernels in standalone mode schedules all servers'
 kernels here. Each single-user server keeps a websocket open to the broker and sends a heartbeat
 every ``heartbeat_interval`` seconds: its kernels, whether each is executing, when it last did,
-its process id and the process ids of its children. Orders (restart, shutdown) go back over the
-same websocket: the server owns its kernels and runs as their Unix user, so it carries them out.
+and its process id. Orders (restart, shutdown) go back over the same websocket: the server owns
+its kernels and runs as their Unix user, so it carries them out.
+
+The broker believes only what it can check. A connection names its server's process, which must
+be a server of the connection's hub user (see :func:`~jupyter_gpusched.procs.check_server_process`);
+a kernel's process must descend from that server's process, and the broker finds the kernel's
+children itself. Everything else is ignored and logged. "Busy" counts only while the kernel's
+processes are seen using CPU or a GPU, and for at most ``max_busy_without_gpu`` seconds without
+the GPU. What one user can make the broker hold is bounded: servers per user, kernels per server,
+processes per kernel, and a server that stopped talking is forgotten after ``heartbeat_timeout``.
 
 A kernel belongs to the hub user whose server reported it (or claimed a GPU for it) first; a
 kernel id never changes hands. A server that falls silent keeps its leases while its kernels'
@@ -22,20 +30,29 @@ from typing import Any, Callable, Iterable, Mapping, Protocol
 
 import psutil
 
+from .. import procs
 from ..api_input import ID_PATTERN
 
 log = logging.getLogger("jupyter_gpusched.broker")
 
-#: Bounds on what one heartbeat may carry.
-MAX_KERNELS = 1000
-MAX_PIDS = 4096
-MAX_NOTEBOOK = 1024
+#: Bounds on what one heartbeat may carry (the broker's traits may set lower ones).
+MAX_KERNELS = 128
+MAX_PIDS = 256
+MAX_NOTEBOOK = 512
 #: How long an ended kernel is remembered (so that a late claim for it is refused).
 ENDED_MEMORY = 3600.0
+#: CPU time (nanoseconds of a kernel's main threads) that counts as evidence the kernel ran code.
+CPU_EVIDENCE_NS = 1_000_000
+#: How long one piece of evidence (CPU or GPU use) backs a server's word that a kernel is busy.
+EVIDENCE_WINDOW = 30.0
 
 
 class HeartbeatError(ValueError):
     """A heartbeat (or part of it) that does not make sense; the message says what."""
+
+
+class TooMany(PermissionError):
+    """A user went over one of the broker's bounds (servers, kernels)."""
 
 
 class Connection(Protocol):
@@ -54,14 +71,23 @@ class RemoteKernel:
     busy: bool = False
     last_busy_at: float | None = None
     started_at: float | None = None
+    #: The kernel's process, once checked to descend from its server's process.
     pid: int | None = None
     pid_started: float | None = None
-    pids: frozenset[int] = frozenset()
+    #: The kernel's process and its descendants, as the broker found them.
+    tree: frozenset[int] = frozenset()
     notebook: str | None = None
     restarting: bool = False
+    #: Evidence, in seconds since the epoch: when its processes last used CPU, and a GPU.
+    runtime_ns: int | None = None
+    cpu_seen_at: float | None = None
+    gpu_seen_at: float | None = None
+    #: When the server began claiming activity without the GPU being used (None: not now).
+    claimed_since: float | None = None
+    last_claim_at: float | None = None
 
     def all_pids(self) -> set[int]:
-        return set(self.pids) | ({self.pid} if self.pid else set())
+        return set(self.tree) | ({self.pid} if self.pid else set())
 
 
 @dataclass
@@ -70,6 +96,7 @@ class RemoteServer:
     user: str
     last_seen: float
     pid: int | None = None
+    pid_started: float | None = None
     connection: Connection | None = None
     connected_at: float | None = None
     kernels: dict[str, RemoteKernel] = field(default_factory=dict)
@@ -92,7 +119,11 @@ def _pid(value: Any, name: str) -> int | None:
 
 
 def parse_kernel_report(kernel_id: Any, info: Any) -> dict:
-    """One kernel's entry of a heartbeat, checked; raises :class:`HeartbeatError`."""
+    """One kernel's entry of a heartbeat, checked; raises :class:`HeartbeatError`.
+
+    A ``pids`` list is accepted for compatibility (bounded), but never believed: the broker
+    finds a kernel's processes itself.
+    """
     if not isinstance(kernel_id, str) or not ID_PATTERN.match(kernel_id):
         raise HeartbeatError(f"kernel id {str(kernel_id)[:40]!r} is not a kernel id")
     if not isinstance(info, dict):
@@ -108,17 +139,9 @@ def parse_kernel_report(kernel_id: Any, info: Any) -> dict:
         "last_busy_at": _optional_time(info.get("last_busy_at"), "last_busy_at"),
         "started_at": _optional_time(info.get("started_at"), "started_at"),
         "pid": _pid(info.get("pid"), "pid"),
-        "pids": frozenset(p for p in (_pid(p, "pids[]") for p in pids) if p),
         "notebook": notebook,
         "restarting": bool(info.get("restarting", False)),
     }
-
-
-def _started(pid: int) -> float | None:
-    try:
-        return psutil.Process(pid).create_time()
-    except psutil.Error:
-        return None
 
 
 def _running(pid: int, started: float | None = None) -> bool:
@@ -158,33 +181,78 @@ class RemoteKernels:
         heartbeat_timeout: float = 30.0,
         launch_grace: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
         gpu_pids: Callable[[], set[int]] = set,
+        gpu_use: Callable[[], Mapping[int, float | None]] = dict,
+        utilization_threshold: float = 5.0,
+        max_servers_per_user: int = 8,
+        max_kernels_per_server: int = MAX_KERNELS,
+        max_processes_per_kernel: int = MAX_PIDS,
+        max_busy_without_gpu: float = 3 * 3600.0,
     ) -> None:
         #: The broker's own id: it owns every lease in its ledger.
         self.server_id = server_id
         self.heartbeat_timeout = heartbeat_timeout
         self.launch_grace = launch_grace
         self.clock = clock
+        self.wall_clock = wall_clock
         self.gpu_pids = gpu_pids
+        self.gpu_use = gpu_use
+        self.utilization_threshold = utilization_threshold
+        self.max_servers_per_user = max_servers_per_user
+        self.max_kernels_per_server = max_kernels_per_server
+        self.max_processes_per_kernel = max_processes_per_kernel
+        self.max_busy_without_gpu = max_busy_without_gpu
         self._servers: dict[str, RemoteServer] = {}
         self._kernels: dict[str, RemoteKernel] = {}
         self._ended: dict[str, tuple[str, float]] = {}
-        self._pid_kernel: dict[int, str] = {}
         self._warned: set[str] = set()
+        #: The latest sample of process trees and CPU use (taken off the event loop).
+        self._sample: dict[str, tuple[int | None, frozenset[int], int]] = {}
+
+    def _warn_once(self, key: str, message: str, *args: Any) -> None:
+        if key not in self._warned:
+            if len(self._warned) > 10_000:
+                self._warned.clear()
+            self._warned.add(key)
+            log.warning(message, *args)
 
     # -- servers ------------------------------------------------------------------------------
-    def connect(self, server_id: str, user: str, pid: int | None, connection: Connection) -> RemoteServer:
-        """A server opened its websocket. Raises PermissionError if the id is another user's."""
+    def connect(
+        self,
+        server_id: str,
+        user: str,
+        pid: int | None,
+        connection: Connection,
+        pid_started: float | None = None,
+    ) -> RemoteServer:
+        """A server opened its websocket; ``pid`` is its process, already checked to be ``user``'s.
+
+        Raises PermissionError if the id is another user's, :class:`TooMany` past the bound on
+        servers per user.
+        """
         now = self.clock()
         server = self._servers.get(server_id)
         if server is not None and server.user != user:
             raise PermissionError(f"server id {server_id} belongs to another user")
+        if server is None or server.connection is None:
+            live = [s for s in self._servers.values() if s.user == user and s.connection is not None]
+            if len(live) >= self.max_servers_per_user:
+                raise TooMany(
+                    f"{user} has {len(live)} servers connected to the GPU broker already, the most allowed "
+                    f"(c.GPUBroker.max_servers_per_user)"
+                )
         if server is None:
             server = self._servers[server_id] = RemoteServer(server_id, user, now)
+        if server.pid != pid or server.pid_started != pid_started:
+            # Another process now speaks for this server id: what the old one reported is void.
+            for kernel in server.kernels.values():
+                kernel.pid, kernel.pid_started, kernel.tree = None, None, frozenset()
         server.connection = connection
         server.connected_at = now
         server.last_seen = now
         server.pid = pid
+        server.pid_started = pid_started if pid is not None else None
         log.info("server %s of %s connected (pid %s)", server_id, user, pid)
         return server
 
@@ -198,6 +266,11 @@ class RemoteKernels:
         server = self._servers.get(server_id)
         return server.connection if server is not None else None
 
+    def verified_server(self, server_id: str, user: str) -> bool:
+        """Whether ``server_id`` is a connected server of ``user`` whose process was checked."""
+        server = self._servers.get(server_id)
+        return server is not None and server.user == user and server.connection is not None and server.pid is not None
+
     def heartbeat(self, server_id: str, kernels: Any) -> list[str]:
         """Fold a server's heartbeat in; returns a problem per kernel entry that was left out."""
         server = self._servers.get(server_id)
@@ -205,8 +278,11 @@ class RemoteKernels:
             raise HeartbeatError(f"server {server_id} is not connected")
         if not isinstance(kernels, dict):
             raise HeartbeatError("kernels must be an object: kernel id -> its state")
-        if len(kernels) > MAX_KERNELS:
-            raise HeartbeatError(f"a heartbeat may report at most {MAX_KERNELS} kernels")
+        if len(kernels) > self.max_kernels_per_server:
+            raise HeartbeatError(
+                f"a heartbeat may report at most {self.max_kernels_per_server} kernels "
+                "(c.GPUBroker.max_kernels_per_server)"
+            )
         now = self.clock()
         server.last_seen = now
         problems = []
@@ -227,21 +303,23 @@ class RemoteKernels:
                 kernel = self._kernels[kernel_id] = RemoteKernel(kernel_id, server.user, server_id, now)
             elif kernel.user != server.user:
                 problems.append(f"kernel {kernel_id} belongs to another user")
-                if kernel_id not in self._warned:
-                    self._warned.add(kernel_id)
-                    log.warning(
-                        "server %s of %s reported kernel %s of %s; ignored",
-                        server_id, server.user, kernel_id, kernel.user,
-                    )
+                self._warn_once(
+                    f"user:{kernel_id}:{server_id}",
+                    "server %s of %s reported kernel %s of %s; ignored",
+                    server_id, server.user, kernel_id, kernel.user,
+                )
                 continue
             if kernel.server_id != server_id:
                 old = self._servers.get(kernel.server_id)
                 if old is not None:
                     old.kernels.pop(kernel_id, None)
                 kernel.server_id = server_id
+                kernel.pid, kernel.pid_started, kernel.tree = None, None, frozenset()
             server.kernels[kernel_id] = kernel
             seen.add(kernel_id)
-            self._update(kernel, report)
+            problem = self._update(server, kernel, report)
+            if problem:
+                problems.append(problem)
         for kernel_id, kernel in list(server.kernels.items()):
             if kernel_id in seen:
                 continue
@@ -249,33 +327,44 @@ class RemoteKernels:
                 self._forget(kernel_id, "its server no longer reports it")
         return problems
 
-    def _update(self, kernel: RemoteKernel, report: Mapping[str, Any]) -> None:
+    def _check_pid(self, server: RemoteServer, kernel: RemoteKernel, pid: int) -> str | None:
+        """None if ``pid`` may be this kernel's process, else why not."""
+        if kernel.pid == pid and kernel.pid_started is not None and procs.same_process(pid, kernel.pid_started):
+            return None  # checked before: the same process still
+        if server.pid is None:
+            return f"kernel {kernel.kernel_id}: process {pid} ignored: the server did not name its own process"
+        if not procs.same_process(server.pid, server.pid_started):
+            return f"kernel {kernel.kernel_id}: process {pid} ignored: the server's own process is gone"
+        if not procs.descends_from(pid, server.pid):
+            return f"kernel {kernel.kernel_id}: process {pid} ignored: it is not a process of this server"
+        return None
+
+    def _update(self, server: RemoteServer, kernel: RemoteKernel, report: Mapping[str, Any]) -> str | None:
+        problem = None
         pid = report["pid"]
+        if pid is not None:
+            problem = self._check_pid(server, kernel, pid)
+            if problem is not None:
+                self._warn_once(
+                    f"pid:{server.server_id}:{kernel.kernel_id}:{pid}",
+                    "server %s of %s: %s", server.server_id, server.user, problem,
+                )
+                pid = None
         if pid != kernel.pid:
-            kernel.pid_started = _started(pid) if pid else None
-        # A process already reported for another user's kernel stays theirs.
-        mine = set()
-        for p in report["pids"] | ({pid} if pid else set()):
-            holder = self._pid_kernel.get(p)
-            other = self._kernels.get(holder) if holder is not None else None
-            if other is not None and other.user != kernel.user:
-                continue
-            mine.add(p)
-        if pid is not None and pid not in mine:
-            pid = None
-        for p in kernel.all_pids() - mine:
-            if self._pid_kernel.get(p) == kernel.kernel_id:
-                del self._pid_kernel[p]
-        for p in mine:
-            self._pid_kernel[p] = kernel.kernel_id
+            kernel.pid_started = procs.started(pid) if pid else None
+            kernel.tree = frozenset({pid}) if pid else frozenset()
+            kernel.runtime_ns = None
+        last = report["last_busy_at"]
+        if report["busy"] or (last is not None and (kernel.last_busy_at is None or last > kernel.last_busy_at)):
+            kernel.last_claim_at = self.wall_clock()
         kernel.reported = True
         kernel.busy = report["busy"]
-        kernel.last_busy_at = report["last_busy_at"]
+        kernel.last_busy_at = last
         kernel.started_at = report["started_at"]
         kernel.pid = pid
-        kernel.pids = frozenset(mine)
         kernel.notebook = report["notebook"]
         kernel.restarting = report["restarting"]
+        return problem
 
     def _forget(self, kernel_id: str, why: str) -> None:
         kernel = self._kernels.pop(kernel_id, None)
@@ -284,9 +373,7 @@ class RemoteKernels:
         server = self._servers.get(kernel.server_id)
         if server is not None:
             server.kernels.pop(kernel_id, None)
-        for p in kernel.all_pids():
-            if self._pid_kernel.get(p) == kernel_id:
-                del self._pid_kernel[p]
+        self._sample.pop(kernel_id, None)
         self._ended[kernel_id] = (kernel.user, self.clock())
         log.info("kernel %s of %s is gone: %s", kernel_id, kernel.user, why)
 
@@ -345,11 +432,16 @@ class RemoteKernels:
         out = set()
         if kernel.pid is not None and _running(kernel.pid, kernel.pid_started):
             out.add(kernel.pid)
-        out.update(p for p in kernel.pids if p != kernel.pid and _running(p))
+            out.update(p for p in kernel.tree if p != kernel.pid and _running(p))
         return out
 
     def prune(self) -> None:
-        """Forget long-ended kernels, kernels claimed for but never reported, and servers gone with nothing left."""
+        """Forget long-ended kernels, kernels claimed for but never reported, and servers gone.
+
+        A server that has not spoken for ``heartbeat_timeout`` seconds is forgotten with its
+        kernels, except kernels whose processes still hold a GPU (left behind, see
+        :meth:`stranded`): their leases stay until those processes end.
+        """
         now = self.clock()
         for kernel_id, (_, at) in list(self._ended.items()):
             if now - at > ENDED_MEMORY:
@@ -358,8 +450,14 @@ class RemoteKernels:
             if not kernel.reported and now - kernel.registered > self.launch_grace:
                 self._forget(kernel_id, "no server ever reported it")
         for server_id, server in list(self._servers.items()):
-            if server.connection is None and not server.kernels and self._silent_for(server, now) > self.heartbeat_timeout:
+            if self._silent_for(server, now) <= self.heartbeat_timeout or server.connection is not None:
+                continue
+            for kernel_id, kernel in list(server.kernels.items()):
+                if kernel.reported and not self.alive(kernel_id):
+                    self._forget(kernel_id, f"its server {server_id} stopped sending heartbeats")
+            if not server.kernels:
                 del self._servers[server_id]
+                log.info("server %s of %s forgotten: silent for %.0fs", server_id, server.user, self._silent_for(server, now))
 
     def servers(self) -> list[dict]:
         """The servers and their kernels, for the admin."""
@@ -402,12 +500,56 @@ class RemoteKernels:
 
     # -- KernelHost ----------------------------------------------------------------------------
     def activity(self) -> Mapping[str, tuple[bool, float | None, float | None]]:
+        """Each kernel's activity as far as the broker can confirm it.
+
+        A server's word that a kernel is busy (or was busy at some moment) counts only while the
+        kernel's processes were seen using CPU or a GPU within :data:`EVIDENCE_WINDOW`, and for at
+        most ``max_busy_without_gpu`` seconds of claimed activity without the GPU.
+        """
         now = self.clock()
+        wall = self.wall_clock()
+        self._fold_sample(wall)
+        use = self.gpu_use() if self._kernels else {}
         out = {}
         for kernel in self._kernels.values():
             live = self._connected(self._servers.get(kernel.server_id), now)
-            out[kernel.kernel_id] = (kernel.busy and live, kernel.last_busy_at, kernel.started_at)
+            if any((use.get(p) or 0.0) >= self.utilization_threshold for p in kernel.all_pids() if p in use):
+                kernel.gpu_seen_at = wall
+                kernel.claimed_since = None
+            seen = max(kernel.cpu_seen_at or 0.0, kernel.gpu_seen_at or 0.0) or None
+            claiming = kernel.last_claim_at is not None and wall - kernel.last_claim_at <= self.heartbeat_timeout
+            if not claiming:
+                kernel.claimed_since = None
+            elif kernel.claimed_since is None and (kernel.gpu_seen_at is None or wall - kernel.gpu_seen_at > EVIDENCE_WINDOW):
+                kernel.claimed_since = wall
+            over = kernel.claimed_since is not None and wall - kernel.claimed_since > self.max_busy_without_gpu
+            busy = kernel.busy and live and seen is not None and wall - seen <= EVIDENCE_WINDOW and not over
+            last = kernel.last_busy_at
+            if last is not None:
+                last = min(last, seen) if seen is not None else None
+            if last is not None and over:
+                last = min(last, kernel.claimed_since + self.max_busy_without_gpu)
+            if kernel.busy and live and not busy:
+                why = "without GPU use for longer than max_busy_without_gpu" if over else "but its processes are not running"
+                self._warn_once(
+                    f"busy:{kernel.kernel_id}:{over}",
+                    "kernel %s of %s: its server says it is busy %s; counted as not busy", kernel.kernel_id, kernel.user, why,
+                )
+            started = kernel.started_at if busy else None
+            out[kernel.kernel_id] = (busy, last, started)
         return out
+
+    def _fold_sample(self, wall: float) -> None:
+        """Take the latest process sample: each kernel's tree, and whether it used CPU since the last."""
+        sample, self._sample = self._sample, {}
+        for kernel_id, (pid, tree, runtime) in sample.items():
+            kernel = self._kernels.get(kernel_id)
+            if kernel is None or kernel.pid != pid or pid is None:
+                continue
+            kernel.tree = tree
+            if kernel.runtime_ns is not None and runtime - kernel.runtime_ns >= CPU_EVIDENCE_NS:
+                kernel.cpu_seen_at = wall
+            kernel.runtime_ns = runtime
 
     def alive(self, kernel_id: str) -> bool | None:
         kernel = self._kernels.get(kernel_id)
@@ -456,7 +598,19 @@ class RemoteKernels:
         return kernel.all_pids() if kernel is not None else set()
 
     def process_trees(self) -> dict[str, set[int]]:
-        return {kid: kernel.all_pids() for kid, kernel in self._kernels.items()}
+        """Every kernel's process tree, found from its checked process (run off the event loop).
+
+        The trees and the CPU time of their processes are kept as a sample that the next
+        :meth:`activity` folds in.
+        """
+        roots = {kid: kernel.pid for kid, kernel in list(self._kernels.items()) if kernel.pid is not None}
+        trees = procs.process_trees(roots, limit=self.max_processes_per_kernel)
+        self._sample = {
+            kid: (roots[kid], frozenset(tree), procs.runtime_ns(tree)) for kid, tree in trees.items()
+        }
+        out: dict[str, set[int]] = {kid: set() for kid in self._kernels}
+        out.update(trees)
+        return out
 
     def notebook(self, kernel_id: str) -> str | None:
         kernel = self._kernels.get(kernel_id)

@@ -12,28 +12,11 @@ import time
 import uuid
 from typing import Any, Mapping
 
-import psutil
 from jupyter_client.session import Session
 
+from ..procs import process_trees
+
 log = logging.getLogger("jupyter_gpusched")
-
-
-def process_trees(roots: Mapping[str, int]) -> dict[str, set[int]]:
-    """Descendants of each root pid (itself included), from a single pass over all processes."""
-    children: dict[int, list[int]] = {}
-    for proc in psutil.process_iter(["pid", "ppid"]):
-        info = proc.info
-        children.setdefault(info["ppid"], []).append(info["pid"])
-    out = {}
-    for key, root in roots.items():
-        tree, stack = {root}, [root]
-        while stack:
-            for child in children.get(stack.pop(), ()):
-                if child not in tree:
-                    tree.add(child)
-                    stack.append(child)
-        out[key] = tree
-    return out
 
 
 class _Watch:
