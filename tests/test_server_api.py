@@ -255,3 +255,66 @@ async def test_events_websocket_needs_authentication(jp_ws_fetch):
     with pytest.raises(HTTPClientError) as info:
         await jp_ws_fetch("api", "gpusched", "events", headers={"Authorization": ""})
     assert info.value.code == 403
+
+
+# -- hostile input -----------------------------------------------------------------------------
+HUGE = 50_000  # under the body limit, far over what a message quotes
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("memory", "x" * HUGE),
+        ("memory", "1" + "q" * HUGE),
+        ("memory", "9" * HUGE),
+        ("wait", "y" * HUGE),
+        ("wait", "1" + "z" * HUGE),
+        ("mode", "m" * HUGE),
+        ("count", "c" * HUGE),
+        ("k" * HUGE, 1),
+    ],
+)
+async def test_a_huge_bad_value_is_quoted_short_in_the_reply_and_the_log(jp_fetch, arbiter, caplog, field, value):
+    kernel_id = await _kernel(jp_fetch)
+    caplog.clear()
+    code, err = await api(jp_fetch, "leases", method="POST", body={"kernel_id": kernel_id, field: value})
+    assert code == 400, err
+    message = err["message"]
+    assert len(message) < 400, message[:500]
+    assert f"({HUGE}" in message and "characters)" in message  # says how long the value was
+    logged = sum(len(record.getMessage()) for record in caplog.records)
+    assert logged < 4000, [record.getMessage()[:200] for record in caplog.records]
+
+
+async def test_an_oversized_body_is_refused_without_echo(jp_fetch, arbiter, caplog):
+    kernel_id = await _kernel(jp_fetch)
+    caplog.clear()
+    body = json.dumps({"kernel_id": kernel_id, "memory": "x" * 10_000_000})
+    code, err = await api(jp_fetch, "leases", method="POST", body=body)
+    assert code == 400
+    assert "at most 64 KiB" in err["message"] and len(err["message"]) < 200
+    assert sum(len(record.getMessage()) for record in caplog.records) < 4000
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "[" * 60_000,
+        "{" + '"a":{' * 10_000,
+        '{"kernel_id": "K", "memory": ' + "[" * 40 + "]" * 40 + "}",
+    ],
+)
+async def test_deeply_nested_json_is_a_400(jp_fetch, arbiter, body):
+    kernel_id = await _kernel(jp_fetch)
+    before = _ledger_rows(arbiter)
+    code, err = await api(jp_fetch, "leases", method="POST", body=body.replace('"K"', json.dumps(kernel_id)))
+    assert code == 400, err
+    assert "nests" in err["message"] and "32 deep" in err["message"]
+    assert _ledger_rows(arbiter) == before
+
+
+async def test_brackets_inside_strings_are_not_nesting(jp_fetch, arbiter):
+    kernel_id = await _kernel(jp_fetch)
+    code, err = await api(jp_fetch, "leases", method="POST", body={"kernel_id": kernel_id, "memory": "[" * 100})
+    assert code == 400
+    assert "memory must be a size" in err["message"] and "nests" not in err["message"]

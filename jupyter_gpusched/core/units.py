@@ -29,6 +29,26 @@ MAX_MEMORY = 1024**5
 
 _DURATION_UNITS = {"": 1, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "hr": 3600, "d": 86400}
 _DURATION_RE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)")
+#: The most characters of a value a message quotes back: a 10 MB typo is not worth 10 MB of reply.
+QUOTE_LIMIT = 100
+
+
+def quote(value: object, limit: int = QUOTE_LIMIT) -> str:
+    """``repr(value)`` for a message, cut after ``limit`` characters with its length said.
+
+    ``'aaaa…' (10000000 characters)``; cheap on a huge string (only its start is rendered).
+    """
+    if isinstance(value, str):
+        if len(value) <= limit:
+            return repr(value)
+        return f"{value[:limit]!r}… ({len(value)} characters)"
+    try:
+        text = repr(value)
+    except ValueError:  # an int too long to print (sys.get_int_max_str_digits)
+        return "a number too long to print"
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text)} characters)"
 
 
 def parse_memory(value: object, field: str = "memory") -> int | None:
@@ -39,26 +59,26 @@ def parse_memory(value: object, field: str = "memory") -> int | None:
     if value is None or value == "":
         return None
     if isinstance(value, bool):
-        raise SchedulingError(f"{field} must be a size such as '16GiB' or a number of bytes, not {value!r}")
+        raise SchedulingError(f"{field} must be a size such as '16GiB' or a number of bytes, not {quote(value)}")
     if isinstance(value, (int, float)):
         number, unit = _to_float(value, field, "bytes"), ""
     elif isinstance(value, str):
         match = _SIZE_RE.match(value)
         if not match:
-            raise SchedulingError(f"{field} must be a size such as '16GiB' or '512MiB', not {value!r}")
+            raise SchedulingError(f"{field} must be a size such as '16GiB' or '512MiB', not {quote(value)}")
         number, unit = float(match.group(1)), match.group(2).lower()
         if unit not in _SIZE_UNITS:
-            raise SchedulingError(f"{field} has an unknown unit {match.group(2)!r}: use B, MiB, GiB or TiB")
+            raise SchedulingError(f"{field} has an unknown unit {quote(match.group(2))}: use B, MiB, GiB or TiB")
     else:
         raise SchedulingError(f"{field} must be a size such as '16GiB' or a number of bytes")
     if math.isnan(number) or number <= 0:
         raise SchedulingError(f"{field} must be more than 0 bytes")
     if math.isinf(number) or number * _SIZE_UNITS[unit] > MAX_MEMORY:
-        raise SchedulingError(f"{field} of {value!r} is more than any GPU has")
+        raise SchedulingError(f"{field} of {quote(value)} is more than any GPU has")
     size = int(number * _SIZE_UNITS[unit])
     if size < 1:
         # "0.5B" would otherwise become a claim for 0 bytes.
-        raise SchedulingError(f"{field} must be at least 1 byte, not {value!r}")
+        raise SchedulingError(f"{field} must be at least 1 byte, not {quote(value)}")
     return size
 
 
@@ -66,7 +86,7 @@ def _to_float(value: int | float, field: str, what: str) -> float:
     try:
         return float(value)
     except OverflowError:
-        raise SchedulingError(f"{field} of {value} {what} is too large") from None
+        raise SchedulingError(f"{field} of {quote(value)} {what} is too large") from None
 
 
 def parse_duration(value: object, field: str = "duration") -> float:
@@ -83,20 +103,20 @@ def parse_duration(value: object, field: str = "duration") -> float:
                 break
             unit = match.group(2).lower()
             if unit not in _DURATION_UNITS:
-                raise SchedulingError(f"{field} has an unknown unit {match.group(2)!r}: use s, m, h or d")
+                raise SchedulingError(f"{field} has an unknown unit {quote(match.group(2))}: use s, m, h or d")
             parts.append(unit)
             seconds += float(match.group(1)) * _DURATION_UNITS[unit]
             pos = match.end()
         # A bare number is seconds only on its own: "1h30" or "5 5" are more likely typos
         # than 1 hour 30 seconds or 10 seconds.
         if text[pos:].strip() or not parts or (len(parts) > 1 and "" in parts):
-            raise SchedulingError(f"{field} must be a duration such as '30m' or '1h30m', not {value!r}")
+            raise SchedulingError(f"{field} must be a duration such as '30m' or '1h30m', not {quote(value)}")
     else:
         raise SchedulingError(f"{field} must be a duration such as '30m' or a number of seconds")
     if math.isnan(seconds) or seconds < 0:
         raise SchedulingError(f"{field} must be 0 or more seconds")
     if math.isinf(seconds):
-        raise SchedulingError(f"{field} of {value!r} is too long")
+        raise SchedulingError(f"{field} of {quote(value)} is too long")
     return seconds
 
 
