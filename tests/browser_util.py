@@ -63,10 +63,13 @@ class LabServer:
     """``jupyter lab`` with the extension on simulated GPUs and a ``python3-gpu`` kernelspec.
 
     Everything it writes (runtime files, settings, workspaces, the ledger, notebooks) stays under
-    ``root``. ``extra`` adds command-line options (e.g. short reclaim timeouts).
+    ``root``. ``extra`` adds command-line options (e.g. short reclaim timeouts). ``app`` is the
+    module started: ``jupyterlab`` (``jupyter lab``) or ``notebook`` (``jupyter notebook``, 7).
     """
 
-    def __init__(self, root: Path, extra: tuple[str, ...] = (), devices: int = 2) -> None:
+    def __init__(
+        self, root: Path, extra: tuple[str, ...] = (), devices: int = 2, app: str = "jupyterlab"
+    ) -> None:
         self.root = Path(root)
         self.notebooks = self.root / "notebooks"
         self.notebooks.mkdir(parents=True, exist_ok=True)
@@ -88,7 +91,7 @@ class LabServer:
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             [
-                sys.executable, "-m", "jupyterlab",
+                sys.executable, "-m", app,
                 f"--port={self.port}", "--ip=127.0.0.1", "--no-browser", "--allow-root",
                 f"--IdentityProvider.token={self.token}",
                 f"--ServerApp.root_dir={self.notebooks}",
@@ -107,7 +110,7 @@ class LabServer:
             wait_for(self._up, 90, f"JupyterLab on port {self.port} to answer")
         except AssertionError:
             self.stop()
-            raise AssertionError(f"JupyterLab did not start; its log:\n{self.log_text()}") from None
+            raise AssertionError(f"{app} did not start; its log:\n{self.log_text()}") from None
 
     # -- setup ------------------------------------------------------------------------------
     def _install_kernelspec(self) -> None:

@@ -60,6 +60,32 @@ export interface IDevice {
   mig_profile?: string | null;
 }
 
+/** The step that takes an idle lease back (the server spells the cache step `free-cache`). */
+export type IdleStep =
+  | 'release'
+  | 'checkpoint'
+  | 'free-cache'
+  | 'free_cache'
+  | 'restart'
+  | 'shutdown';
+
+/**
+ * What idle will do to a lease: which step takes it back and when, if its kernel stays idle.
+ */
+export interface IIdleForecast {
+  /** The step, `null` when none would (the lease stays until released). */
+  step: IdleStep | null;
+  /** When, if the kernel stays idle and nobody waits; `null` for never. */
+  at: string | null;
+  /** When, if someone waits for a GPU; `null` for never. */
+  contended_at: string | null;
+  /** Who makes `contended_at` apply by waiting: `anyone`, `same_user` (another kernel of the
+   * lease's user), `null` for nobody. */
+  contended_by?: 'anyone' | 'same_user' | null;
+  /** Why, in words. */
+  reason: string;
+}
+
 /** A claim on GPUs and, once granted, the lease on them. */
 export interface ILease {
   id: string;
@@ -96,6 +122,8 @@ export interface ILease {
   memory_held?: number | null;
   /** Why the lease is in its state, in words. */
   reason?: string;
+  /** What idle would do to the lease, `null` when nothing is foreseen. */
+  idle_forecast?: IIdleForecast | null;
 }
 
 /**

@@ -5,7 +5,7 @@
  * Nothing here touches the DOM, the network or the clock: time is passed in (milliseconds
  * since the epoch, as `Date.now()` gives).
  */
-import type { IDevice, ILease, IStatus, LeaseState } from './api';
+import type { IDevice, IdleStep, ILease, IStatus, LeaseState } from './api';
 
 /** What is shown where a value is unknown. */
 export const UNKNOWN = 'n/a';
@@ -388,14 +388,154 @@ export function stateLabel(state: LeaseState): string {
   }
 }
 
+/** What a reclaim step does, as a verb for "... in 5m": `checkpoint` -> `"suspend"`. */
+export function idleStepVerb(step: IdleStep | null): string {
+  switch (step) {
+    case 'release':
+      return 'release';
+    case 'checkpoint':
+      return 'suspend';
+    case 'free-cache':
+    case 'free_cache':
+      return 'free cache';
+    case 'restart':
+      return 'restart';
+    case 'shutdown':
+      return 'shut down';
+    default:
+      return 'reclaim';
+  }
+}
+
+/** What a reclaim step does to the kernel, in a few words for a sentence. */
+function idleStepEffect(step: IdleStep | null): string {
+  switch (step) {
+    case 'release':
+      return 'its GPU is released (it holds no GPU memory)';
+    case 'checkpoint':
+      return 'its GPU state is suspended to host memory (variables kept)';
+    case 'free-cache':
+    case 'free_cache':
+      return 'its cached GPU memory is freed';
+    case 'restart':
+      return 'the kernel is restarted (variables lost)';
+    case 'shutdown':
+      return 'the kernel is shut down (variables lost)';
+    default:
+      return 'its GPU is taken back';
+  }
+}
+
+/** What idle will do to a lease, for the status bar and the sidebar. */
+export interface IIdleOutlook {
+  /** A few words: `"suspend in 55m 48s"`; `null` when idle takes nothing back. */
+  short: string | null;
+  /** For the sidebar: `"If idle: suspend in 55m 48s, in 1m 00s if someone waits"`. */
+  brief: string;
+  /** One sentence: when, by which step, and what happens sooner if someone waits. */
+  sentence: string;
+  /** Seconds until the step that applies now (contended when someone waits), or `null`. */
+  seconds: number | null;
+}
+
+/**
+ * What idle will do to a holding lease, from the server's `idle_forecast`: the step and when
+ * (if the kernel stays idle; sooner when someone waits). `null` when the server foresees
+ * nothing, when the lease does not hold GPUs, or when a reclaim is already announced.
+ */
+export function idleOutlook(
+  lease: ILease,
+  nowMs: number,
+  someoneWaits = false
+): IIdleOutlook | null {
+  const forecast = lease.idle_forecast;
+  if (!forecast || !isHolding(lease.state) || lease.reclaim_at) {
+    return null;
+  }
+  const kept = keepRemaining(lease, nowMs);
+  const alone = secondsUntil(forecast.at, nowMs);
+  const contended = secondsUntil(forecast.contended_at, nowMs);
+  const verb = idleStepVerb(forecast.step);
+  const when = (seconds: number): string =>
+    seconds <= 0 ? 'now' : `in ${formatDuration(seconds)}`;
+  if (forecast.step === null || (alone === null && contended === null)) {
+    return {
+      short: null,
+      brief: 'If idle: kept until released',
+      sentence: kept !== null
+        ? `Kept: not taken back while idle for ${formatDuration(kept)}.`
+        : 'Not taken back while idle; it stays until released.',
+      seconds: null
+    };
+  }
+  const effect = idleStepEffect(forecast.step);
+  const waiter =
+    forecast.contended_by === 'same_user'
+      ? 'another kernel of yours waits for a GPU'
+      : 'someone waits for a GPU';
+  const parts: string[] = [];
+  if (alone !== null) {
+    parts.push(`If this kernel stays idle, ${effect} ${when(alone)}`);
+    if (contended !== null && contended < alone) {
+      parts.push(`, or ${when(contended)} if ${waiter}`);
+    }
+  } else if (contended !== null) {
+    parts.push(`If this kernel stays idle while ${waiter}, ${effect} ${when(contended)}`);
+  }
+  const sentence = `${parts.join('')}.`;
+  const someone = forecast.contended_by === 'same_user' ? 'another kernel of yours' : 'someone';
+  let brief: string;
+  if (alone !== null) {
+    brief = `If idle: ${verb} ${when(alone)}`;
+    if (contended !== null && contended < alone) {
+      brief += `, ${when(contended)} if ${someone} waits`;
+    }
+  } else {
+    brief = `If idle while ${someone} waits: ${verb} ${when(contended ?? 0)}`;
+  }
+  const candidates = [alone, someoneWaits ? contended : null].filter(
+    (value): value is number => value !== null
+  );
+  const seconds = candidates.length > 0 ? Math.min(...candidates) : null;
+  return {
+    short: seconds === null ? null : seconds <= 0 ? `${verb} now` : `${verb} in ${formatDuration(seconds)}`,
+    brief,
+    sentence,
+    seconds
+  };
+}
+
+/**
+ * Whether a kernelspec's metadata selects `gpusched-provisioner` with lazy binding (its
+ * default): the kernel asks for its GPU when its first cell runs.
+ */
+export function bindsLazily(metadata: unknown): boolean {
+  const provisioner = isRecord(metadata) ? metadata.kernel_provisioner : undefined;
+  if (!isRecord(provisioner) || provisioner.provisioner_name !== 'gpusched-provisioner') {
+    return false;
+  }
+  const bind = isRecord(provisioner.config) ? provisioner.config.bind : undefined;
+  return bind === undefined || bind === 'lazy';
+}
+
+function isRecord(value: unknown): value is Record<string, unknown> {
+  return typeof value === 'object' && value !== null && !Array.isArray(value);
+}
+
+/** How the kernel of a status bar item gets its GPUs. */
+export interface IKernelBinding {
+  /** The kernel binds lazily: its first cell asks for a GPU. */
+  lazy?: boolean;
+}
+
 /** What the status bar shows for one kernel. */
 export interface IKernelSummary {
   /** The one-line text. */
   text: string;
   /** A longer description, for the tooltip and the accessible name. */
   description: string;
-  /** `none`, `unavailable`, `loading` or the lease state. */
-  state: LeaseState | 'none' | 'unavailable' | 'loading';
+  /** `none`, `lazy` (a GPU comes at the first cell), `unavailable`, `loading` or the lease state. */
+  state: LeaseState | 'none' | 'lazy' | 'unavailable' | 'loading';
 }
 
 /**
@@ -407,7 +547,8 @@ export function summarizeKernel(
   status: IStatus | null,
   lease: ILease | null,
   nowMs: number,
-  error: string | null = null
+  error: string | null = null,
+  binding: IKernelBinding = {}
 ): IKernelSummary {
   if (!status) {
     if (error) {
@@ -423,9 +564,17 @@ export function summarizeKernel(
     const free = status.devices.filter(
       device => device.health === 'ok' && holdersOfDevice(status, device).length === 0
     ).length;
+    const host = `${free} of ${status.devices.length} free on this host`;
+    if (binding.lazy) {
+      return {
+        text: 'GPU: at first cell',
+        description: `This kernel gets its GPU when its first cell runs (${host}).`,
+        state: 'lazy'
+      };
+    }
     return {
       text: 'GPU: none',
-      description: `This kernel holds no GPU (${free} of ${status.devices.length} free on this host).`,
+      description: `This kernel holds no GPU (${host}).`,
       state: 'none'
     };
   }
@@ -464,6 +613,7 @@ export function summarizeKernel(
   const kept = keepRemaining(lease, nowMs);
   const idle = idleSeconds(lease, nowMs);
   const memory = leaseMemory(status, lease);
+  const outlook = idleOutlook(lease, nowMs, status.queue.length > 0);
 
   if (reclaimIn !== null) {
     parts.push(`reclaim in ${formatCountdown(reclaimIn)}`);
@@ -472,6 +622,9 @@ export function summarizeKernel(
     parts.push(formatMemory(memory.used, memory.total));
     if (idle !== null) {
       parts.push(`idle ${formatDuration(idle)}`);
+      if (outlook?.short) {
+        parts.push(outlook.short);
+      }
     }
   }
   details.push(`memory ${formatMemory(memory.used, memory.total)}`);
@@ -481,5 +634,6 @@ export function summarizeKernel(
   if (kept !== null) {
     details.push(`kept for ${formatDuration(kept)} more`);
   }
-  return { text: parts.join(' · '), description: `${details.join('; ')}.`, state: lease.state };
+  const description = `${details.join('; ')}.${outlook ? ` ${outlook.sentence}` : ''}`;
+  return { text: parts.join(' · '), description, state: lease.state };
 }

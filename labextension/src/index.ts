@@ -5,7 +5,7 @@ import {
   JupyterFrontEndPlugin
 } from '@jupyterlab/application';
 import { ICommandPalette, ISessionContext, Notification } from '@jupyterlab/apputils';
-import { Session } from '@jupyterlab/services';
+import { KernelSpec, Session } from '@jupyterlab/services';
 import { ISettingRegistry } from '@jupyterlab/settingregistry';
 import { IStatusBar } from '@jupyterlab/statusbar';
 import { refreshIcon } from '@jupyterlab/ui-components';
@@ -17,6 +17,7 @@ import { GPUSchedModel } from './model';
 import { GPUSchedNotifier, INotificationSink } from './notifier';
 import { GPUSchedPanel, PANEL_ID } from './panel';
 import { GPUStatusItem } from './statusbar';
+import { bindsLazily } from './format';
 
 export * from './api';
 export * from './format';
@@ -58,6 +59,16 @@ function sessionContextOf(widget: Widget | null): ISessionContext | null {
 
 function kernelIdOf(context: ISessionContext | null): string | null {
   return context?.session?.kernel?.id ?? null;
+}
+
+/** Whether the kernel of a session binds lazily, from its kernelspec's provisioner config. */
+function lazyKernel(
+  context: ISessionContext | null,
+  specs: KernelSpec.ISpecModels | null | undefined
+): boolean {
+  const name = context?.session?.kernel?.name;
+  const spec = name ? specs?.kernelspecs[name] : undefined;
+  return bindsLazily(spec?.metadata);
 }
 
 /** Kernel id -> session path of the running sessions. */
@@ -125,38 +136,41 @@ const plugin: JupyterFrontEndPlugin<void> = {
       palette.addItem({ command: CommandIDs.refresh, category: 'GPU' });
     }
 
-    // Status bar item for the current notebook's kernel.
-    if (statusBar) {
-      const item = new GPUStatusItem({
-        model,
-        onActivate: () => {
-          void app.commands.execute(CommandIDs.showPanel);
-        }
-      });
-      const activeChanged = new Signal<Widget, void>(item);
-      let context: ISessionContext | null = null;
-      const onKernel = (): void => {
-        item.kernelId = kernelIdOf(context);
-      };
-      const follow = (widget: Widget | null): void => {
-        if (context) {
-          context.kernelChanged.disconnect(onKernel);
-          context.sessionChanged.disconnect(onKernel);
-        }
-        context = sessionContextOf(widget);
-        if (context) {
-          context.kernelChanged.connect(onKernel);
-          context.sessionChanged.connect(onKernel);
-        }
-        onKernel();
-        activeChanged.emit();
-      };
-      const shellChanged = labShell?.currentChanged ?? app.shell.currentChanged;
-      if (shellChanged) {
-        shellChanged.connect((_, args) => follow(args.newValue));
+    // The current notebook's GPU: an item of JupyterLab's status bar. Notebook 7 has no
+    // status bar: there the item sits in the menu bar of each notebook page, on the right.
+    const item = new GPUStatusItem({
+      model,
+      onActivate: () => {
+        void app.commands.execute(CommandIDs.showPanel);
       }
-      follow(app.shell.currentWidget);
-
+    });
+    const activeChanged = new Signal<Widget, void>(item);
+    const kernelspecs = app.serviceManager.kernelspecs;
+    let context: ISessionContext | null = null;
+    const onKernel = (): void => {
+      item.kernelId = kernelIdOf(context);
+      item.lazy = lazyKernel(context, kernelspecs.specs);
+    };
+    kernelspecs.specsChanged.connect(onKernel);
+    const follow = (widget: Widget | null): void => {
+      if (context) {
+        context.kernelChanged.disconnect(onKernel);
+        context.sessionChanged.disconnect(onKernel);
+      }
+      context = sessionContextOf(widget);
+      if (context) {
+        context.kernelChanged.connect(onKernel);
+        context.sessionChanged.connect(onKernel);
+      }
+      onKernel();
+      item.setHidden(statusBar === null && context === null);
+      activeChanged.emit();
+    };
+    const shellChanged = labShell?.currentChanged ?? app.shell.currentChanged;
+    if (shellChanged) {
+      shellChanged.connect((_, args) => follow(args.newValue));
+    }
+    if (statusBar) {
       statusBar.registerStatusItem('jupyter-gpusched:status', {
         item,
         align: 'left',
@@ -164,7 +178,11 @@ const plugin: JupyterFrontEndPlugin<void> = {
         isActive: () => context !== null,
         activeStateChanged: activeChanged
       });
+    } else if (!labShell) {
+      item.addClass('jp-gpusched-StatusItem-menu');
+      app.shell.add(item, 'menu', { rank: 1000 });
     }
+    follow(app.shell.currentWidget);
 
     // Settings: refresh rate and notifications.
     if (settingRegistry) {

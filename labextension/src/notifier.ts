@@ -31,20 +31,96 @@ export interface INotificationSink {
   dismiss(id?: string): void;
 }
 
-/** JupyterLab accepts up to this many characters in a notification. */
-const MAX_MESSAGE = 140;
+/** JupyterLab shows up to this many characters of a notification and cuts the rest. */
+export const MAX_MESSAGE = 140;
 
-function clip(text: string): string {
-  return text.length <= MAX_MESSAGE ? text : `${text.slice(0, MAX_MESSAGE - 1)}…`;
+/** Words that tell nothing new next to a headline about a GPU lease. */
+const FILLER = new Set([
+  'a', 'an', 'and', 'as', 'at', 'by', 'for', 'from', 'in', 'is', 'it', 'its', 'now', 'of', 'on',
+  'onto', 'the', 'to', 'was', 'your', 'this', 'gpu', 'gpus', 'lease', 'kernel', 'waiting', 'wait'
+]);
+
+function wordsOf(text: string): string[] {
+  return text
+    .toLowerCase()
+    .split(/[^a-z0-9_.'-]+/)
+    .map(word => word.replace(/^[.'-]+|[.'-]+$/g, ''))
+    .filter(word => word.length > 0);
 }
 
-/** A headline followed by the server's message, when it says more. */
-function withDetail(headline: string, detail: string): string {
-  const extra = detail.trim();
-  if (!extra || headline.toLowerCase().includes(extra.toLowerCase())) {
-    return clip(headline);
+function bare(word: string): string {
+  return word.toLowerCase().replace(/[^a-z0-9]/g, '');
+}
+
+/** Parentheses open and closed in equal number. */
+function balanced(text: string): boolean {
+  return (text.match(/\(/g) ?? []).length === (text.match(/\)/g) ?? []).length;
+}
+
+/**
+ * Shorten a sentence that JupyterLab would cut: end it at the last clause boundary that
+ * fits (after `keep` characters), never in the middle of a clause; `null` if none fits.
+ */
+function fitClauses(text: string, keep: number): string | null {
+  if (text.length <= MAX_MESSAGE) {
+    return text;
   }
-  return clip(`${headline}. ${extra}`);
+  const boundary = /[;:,]\s|\s\(|\s—\s/g;
+  let best: string | null = null;
+  let match: RegExpExecArray | null;
+  while ((match = boundary.exec(text)) !== null) {
+    const candidate = text.slice(0, match.index).replace(/[\s,;:]+$/, '');
+    if (candidate.length > MAX_MESSAGE) {
+      break;
+    }
+    if (candidate.length > keep && balanced(candidate)) {
+      best = candidate;
+    }
+  }
+  return best;
+}
+
+/**
+ * One sentence from a headline and the server's message: the message is left out when it
+ * says nothing the headline does not, it continues the headline where it starts with the
+ * headline's last word ("GPU of a.ipynb released" + "released while idle: ..." ->
+ * "GPU of a.ipynb released while idle: ..."), else it follows after `join`. The result fits
+ * a notification whole: clauses that do not fit are left out, never cut in the middle.
+ */
+export function noticeSentence(headline: string, detail: string, join = ': '): string {
+  const extra = detail.trim().replace(/[.\s]+$/, '');
+  const said = new Set(wordsOf(headline));
+  const news = wordsOf(extra).filter(word => !said.has(word) && !FILLER.has(word));
+  if (!extra || news.length === 0) {
+    return fitClauses(headline, 0) ?? headline;
+  }
+  let text = `${headline}${join}${extra}`;
+  const last = bare(headline.split(/\s+/).pop() ?? '');
+  const tokens = extra.split(/\s+/);
+  const at = tokens.findIndex(token => bare(token) === last);
+  if (last && at >= 0) {
+    const before = tokens.slice(0, at).map(bare);
+    if (before.every(word => FILLER.has(word) || said.has(word))) {
+      // What follows the repeated word in its token (a colon, say), then the rest.
+      const token = tokens[at];
+      const tail = token.slice(token.toLowerCase().lastIndexOf(last) + last.length);
+      const rest = tokens.slice(at + 1).join(' ');
+      text = `${headline}${tail}${rest ? ` ${rest}` : ''}`.replace(/[\s:;,]+$/, '');
+    }
+  }
+  return fitClauses(text, headline.length) ?? fitClauses(headline, 0) ?? headline;
+}
+
+/** Between a countdown ("... in 0:59") and its reason: a colon would read as part of the time. */
+const COUNTDOWN_JOIN = ' — ';
+
+/** A long notebook name shortened in its middle, so that the sentence around it fits. */
+export function shortName(name: string, max = 40): string {
+  if (name.length <= max) {
+    return name;
+  }
+  const tail = Math.floor((max - 1) / 3);
+  return `${name.slice(0, max - 1 - tail)}…${name.slice(name.length - tail)}`;
 }
 
 /** Texts of the notifications, given what is known of the lease. */
@@ -67,8 +143,11 @@ export namespace NoticeText {
     return `${devices} of ${label} is being reclaimed`;
   }
 
-  export function suspended(label: string): string {
-    return `GPU of ${label} suspended; it is restored when the next cell runs`;
+  /** The server says how (checkpoint) and when it comes back; without it, this does. */
+  export function suspended(label: string, detail = ''): string {
+    return detail.trim()
+      ? noticeSentence(`GPU of ${label} suspended`, detail)
+      : `GPU of ${label} suspended; it is restored when the next cell runs`;
   }
 
   export function resumed(label: string, devices: string): string {
@@ -92,11 +171,11 @@ export namespace NoticeText {
   }
 
   export function freeCache(label: string, devices: string): string {
-    return `${devices} of ${label}: freeing cached GPU memory`;
+    return `Freeing the cached GPU memory of ${label} on ${devices}: it holds more than its share`;
   }
 
   export function keptElsewhere(label: string, message: string): string {
-    return clip(message ? `GPU of ${label}: ${message}` : `GPU of ${label} kept`);
+    return noticeSentence(`GPU of ${label} kept`, message);
   }
 
   export function kept(label: string, seconds: number): string {
@@ -104,7 +183,7 @@ export namespace NoticeText {
   }
 
   export function keepFailed(label: string, reason: string): string {
-    return clip(`Could not keep the GPU of ${label}: ${reason}`);
+    return noticeSentence(`Could not keep the GPU of ${label}`, reason);
   }
 }
 
@@ -181,7 +260,7 @@ export class GPUSchedNotifier implements IDisposable {
           notice.position ?? (lease ? this._model.queuePosition(lease) : null);
         this._replace(
           key,
-          withDetail(NoticeText.queued(label, position), notice.message),
+          noticeSentence(NoticeText.queued(label, position), notice.message),
           'info',
           { autoClose: 10000 }
         );
@@ -197,7 +276,7 @@ export class GPUSchedNotifier implements IDisposable {
             )
           : [];
         this._stopCountdown(key, false);
-        this._replace(key, clip(NoticeText.granted(label, devices, names)), 'success', {
+        this._replace(key, noticeSentence(NoticeText.granted(label, devices, names), ''), 'success', {
           autoClose: 6000
         });
         break;
@@ -209,7 +288,7 @@ export class GPUSchedNotifier implements IDisposable {
         this._stopCountdown(key, false);
         this._replace(
           key,
-          withDetail(NoticeText.reclaimCancelled(label, devices), notice.message),
+          noticeSentence(NoticeText.reclaimCancelled(label, devices), notice.message),
           'info',
           { autoClose: 6000 }
         );
@@ -228,47 +307,48 @@ export class GPUSchedNotifier implements IDisposable {
       }
       case 'suspended':
         this._stopCountdown(key, false);
-        this._replace(key, withDetail(NoticeText.suspended(label), notice.message), 'info', {
+        this._replace(key, NoticeText.suspended(label, notice.message), 'info', {
           autoClose: 10000
         });
         break;
       case 'resumed':
         this._replace(
           key,
-          withDetail(NoticeText.resumed(label, devices), notice.message),
+          // The server's words name the GPU again, which the headline does.
+          NoticeText.resumed(label, devices),
           'success',
           { autoClose: 6000 }
         );
         break;
       case 'released':
         this._stopCountdown(key, false);
-        this._replace(key, withDetail(NoticeText.released(label), notice.message), 'info', {
+        this._replace(key, noticeSentence(NoticeText.released(label), notice.message), 'info', {
           autoClose: 8000
         });
         break;
       case 'reclaimed':
         this._stopCountdown(key, false);
-        this._replace(key, withDetail(NoticeText.reclaimed(label), notice.message), 'warning', {
+        this._replace(key, noticeSentence(NoticeText.reclaimed(label), notice.message), 'warning', {
           autoClose: false
         });
         break;
       case 'free_cache':
         this._replace(
           key,
-          withDetail(NoticeText.freeCache(label, devices), notice.message),
+          NoticeText.freeCache(label, devices),
           'info',
           { autoClose: 8000 }
         );
         break;
       case 'lost':
         this._stopCountdown(key, false);
-        this._replace(key, withDetail(NoticeText.lost(label), notice.message), 'error', {
+        this._replace(key, noticeSentence(NoticeText.lost(label), notice.message), 'error', {
           autoClose: false
         });
         break;
       default:
         if (notice.message) {
-          this._sink.emit(clip(notice.message), 'info', { autoClose: 10000 });
+          this._sink.emit(noticeSentence(notice.message, ''), 'info', { autoClose: 10000 });
         }
     }
   }
@@ -323,7 +403,7 @@ export class GPUSchedNotifier implements IDisposable {
     if (!reclaimAt) {
       this._replace(
         key,
-        withDetail(`${devices} of ${label} will be reclaimed soon`, notice.message),
+        noticeSentence(`${devices} of ${label} will be reclaimed soon`, notice.message, COUNTDOWN_JOIN),
         'warning',
         { autoClose: false, actions: [this._keepAction(notice, label)] }
       );
@@ -332,9 +412,10 @@ export class GPUSchedNotifier implements IDisposable {
     this._stopCountdown(key, false);
     const previous = this._ids.get(key);
     const seconds = secondsUntil(reclaimAt, this._model.now()) ?? 0;
-    const message = withDetail(
+    const message = noticeSentence(
       NoticeText.reclaimWarning(label, devices, seconds),
-      notice.message
+      notice.message,
+      COUNTDOWN_JOIN
     );
     const options = { autoClose: false as const, actions: [this._keepAction(notice, label)] };
     let id: string;
@@ -369,9 +450,10 @@ export class GPUSchedNotifier implements IDisposable {
       countdown.finished = true;
       this._sink.update({
         id: countdown.notificationId,
-        message: withDetail(
+        message: noticeSentence(
           NoticeText.reclaimNow(countdown.label, countdown.devices),
-          countdown.detail
+          countdown.detail,
+          COUNTDOWN_JOIN
         ),
         type: 'warning',
         autoClose: 10000,
@@ -381,9 +463,10 @@ export class GPUSchedNotifier implements IDisposable {
     }
     this._sink.update({
       id: countdown.notificationId,
-      message: withDetail(
+      message: noticeSentence(
         NoticeText.reclaimWarning(countdown.label, countdown.devices, seconds),
-        countdown.detail
+        countdown.detail,
+        COUNTDOWN_JOIN
       ),
       type: 'warning',
       autoClose: false
@@ -470,7 +553,7 @@ export class GPUSchedNotifier implements IDisposable {
     const kernelId = notice.kernel_id ?? lease?.kernel_id ?? null;
     const path = lease?.notebook || (kernelId ? this._model.pathOfKernel(kernelId) : null);
     if (path) {
-      return baseName(path);
+      return shortName(baseName(path));
     }
     return kernelId ? kernelLabel(kernelId) : 'your kernel';
   }

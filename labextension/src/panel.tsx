@@ -18,6 +18,7 @@ import {
   formatPercent,
   holderOf,
   holdersOfDevice,
+  idleOutlook,
   idleSeconds,
   keepLabel,
   kernelLabel,
@@ -104,7 +105,8 @@ function hasClock(status: IStatus | null): boolean {
         lease.state === 'idle' ||
         lease.state === 'reclaiming' ||
         lease.reclaim_at !== null ||
-        lease.keep_until !== null
+        lease.keep_until !== null ||
+        Boolean(lease.idle_forecast)
     )
   );
 }
@@ -301,7 +303,7 @@ function DeviceCard(props: ISectionProps & { now: number; device: IDevice }): Re
     >
       <div className="jp-gpusched-Device-header">
         <span className="jp-gpusched-Device-title">{gpu}</span>
-        <span className="jp-gpusched-Device-name" title={device.uuid}>
+        <span className="jp-gpusched-Device-name" title={`${device.name}\n${device.uuid}`}>
           {device.name}
           {device.mig_profile ? ` (MIG ${device.mig_profile})` : ''}
         </span>
@@ -438,6 +440,7 @@ function LeaseItem(
   const own = model.isOwn(lease);
   const memory = leaseMemory(status, lease);
   const timer = leaseTimer(lease, now);
+  const outlook = idleOutlook(lease, now, status.queue.length > 0);
   const holding = lease.state === 'active' || lease.state === 'idle' || lease.state === 'reclaiming';
   const keepKey = `keep:${lease.id}`;
   const releaseKey = `release:${lease.id}`;
@@ -484,6 +487,15 @@ function LeaseItem(
           </span>
         )}
       </div>
+      {outlook && (
+        <div
+          className="jp-gpusched-Lease-forecast"
+          data-step={lease.idle_forecast?.step ?? ''}
+          title={[outlook.sentence, lease.idle_forecast?.reason].filter(Boolean).join('\n')}
+        >
+          {outlook.brief}
+        </div>
+      )}
       {own && (
         <div className="jp-gpusched-Actions">
           {holding && (

@@ -31,6 +31,18 @@ export class GPUStatusItem extends ReactWidget {
     this.update();
   }
 
+  /** Whether the kernel shown binds lazily (its first cell asks for a GPU). */
+  get lazy(): boolean {
+    return this._lazy;
+  }
+  set lazy(lazy: boolean) {
+    if (lazy === this._lazy) {
+      return;
+    }
+    this._lazy = lazy;
+    this.update();
+  }
+
   /** Emitted when the kernel shown changes. */
   get kernelChanged(): ISignal<this, string | null> {
     return this._kernelChanged;
@@ -43,6 +55,7 @@ export class GPUStatusItem extends ReactWidget {
           <KernelStatus
             model={this._model}
             kernelId={this._kernelId}
+            lazy={this._lazy}
             onActivate={this._onActivate}
           />
         )}
@@ -53,6 +66,7 @@ export class GPUStatusItem extends ReactWidget {
   private _model: GPUSchedModel;
   private _onActivate: () => void;
   private _kernelId: string | null = null;
+  private _lazy = false;
   private _kernelChanged = new Signal<this, string | null>(this);
 }
 
@@ -67,15 +81,16 @@ export namespace GPUStatusItem {
 function KernelStatus(props: {
   model: GPUSchedModel;
   kernelId: string | null;
+  lazy: boolean;
   onActivate: () => void;
 }): React.ReactElement {
-  const { model, kernelId, onActivate } = props;
+  const { model, kernelId, lazy, onActivate } = props;
   const lease = model.leaseOfKernel(kernelId);
   const ticking =
     lease !== null &&
     (lease.state === 'idle' || lease.state === 'reclaiming' || lease.reclaim_at !== null);
   const now = useNow(model, ticking);
-  const summary = summarizeKernel(model.status, lease, now, model.error);
+  const summary = summarizeKernel(model.status, lease, now, model.error, { lazy });
   const descriptionId = 'jp-gpusched-status-description';
 
   return (

@@ -17,8 +17,11 @@ import {
   reclaimCountdown,
   secondsUntil,
   shortDeviceName,
-  summarizeKernel
+  summarizeKernel,
+  bindsLazily,
+  idleOutlook
 } from '../format';
+import type { ILease } from '../api';
 import { device, GiB, iso, lease, status, T0 } from './fixtures';
 
 describe('formatBytes', () => {
@@ -271,5 +274,104 @@ describe('summarizeKernel', () => {
   it('shows a suspended lease', () => {
     const l = lease('a', { state: 'suspended' });
     expect(summarizeKernel(status({ leases: [l] }), l, T0).text).toBe('GPU: suspended');
+  });
+});
+
+describe('a lazily bound kernel', () => {
+  const lazy = {
+    kernel_provisioner: {
+      provisioner_name: 'gpusched-provisioner',
+      config: { gpus: 1, bind: 'lazy' }
+    }
+  };
+
+  it('is told from its kernelspec metadata', () => {
+    expect(bindsLazily(lazy)).toBe(true);
+    // Lazy is the provisioner's default.
+    expect(bindsLazily({ kernel_provisioner: { provisioner_name: 'gpusched-provisioner' } })).toBe(
+      true
+    );
+    expect(
+      bindsLazily({
+        kernel_provisioner: { provisioner_name: 'gpusched-provisioner', config: { bind: 'launch' } }
+      })
+    ).toBe(false);
+    expect(bindsLazily({ kernel_provisioner: { provisioner_name: 'local-provisioner' } })).toBe(
+      false
+    );
+    expect(bindsLazily(undefined)).toBe(false);
+  });
+
+  it('says its GPU comes at the first cell, not that it has none', () => {
+    const summary = summarizeKernel(status(), null, T0, null, { lazy: true });
+    expect(summary).toMatchObject({ text: 'GPU: at first cell', state: 'lazy' });
+    expect(summary.description).toContain('first cell runs');
+    expect(summary.description).toContain('2 of 2 free');
+    // Once it holds a lease, the lease is what it shows.
+    const held = lease('L1', { devices: ['GPU-0'], device_indices: [0] });
+    expect(
+      summarizeKernel(status({ leases: [held] }), held, T0, null, { lazy: true }).text
+    ).toMatch(/^GPU 0: /);
+  });
+});
+
+describe('idleOutlook', () => {
+  const idle = (forecast: Partial<NonNullable<ILease['idle_forecast']>> | null, extra = {}) =>
+    lease('L1', {
+      devices: ['GPU-0'],
+      device_indices: [0],
+      state: 'idle',
+      last_active_at: iso(T0 - 60_000),
+      idle_forecast:
+        forecast === null
+          ? null
+          : {
+              step: 'checkpoint',
+              at: iso(T0 + 3540_000),
+              contended_at: iso(T0 + 60_000),
+              reason: 'idle for an hour',
+              ...forecast
+            },
+      ...extra
+    });
+
+  it('names the step and when, and what happens sooner if someone waits', () => {
+    const outlook = idleOutlook(idle({}), T0);
+    expect(outlook).toMatchObject({
+      short: 'suspend in 59m 00s',
+      brief: 'If idle: suspend in 59m 00s, in 1m 00s if someone waits',
+      seconds: 3540
+    });
+    expect(outlook?.sentence).toBe(
+      'If this kernel stays idle, its GPU state is suspended to host memory (variables kept) in 59m 00s, or in 1m 00s if someone waits for a GPU.'
+    );
+    // With someone in the queue, the sooner time is the one that applies.
+    expect(idleOutlook(idle({}), T0, true)?.short).toBe('suspend in 1m 00s');
+  });
+
+  it('speaks of the other kernels of the same user where only they can take it', () => {
+    const outlook = idleOutlook(idle({ contended_by: 'same_user' }), T0);
+    expect(outlook?.brief).toBe(
+      'If idle: suspend in 59m 00s, in 1m 00s if another kernel of yours waits'
+    );
+  });
+
+  it('says when idle takes nothing back', () => {
+    const outlook = idleOutlook(idle({ step: null, at: null, contended_at: null }), T0);
+    expect(outlook).toMatchObject({ short: null, brief: 'If idle: kept until released' });
+  });
+
+  it('has nothing to say without a forecast, or once a reclaim is announced', () => {
+    expect(idleOutlook(idle(null), T0)).toBeNull();
+    expect(idleOutlook(idle({}, { reclaim_at: iso(T0 + 30_000) }), T0)).toBeNull();
+  });
+
+  it('shows in the status bar text of an idle lease and in its tooltip', () => {
+    const held = idle({ step: 'restart' });
+    const summary = summarizeKernel(status({ leases: [held] }), held, T0);
+    expect(summary.text).toMatch(/ · idle 1m 00s · restart in 59m 00s$/);
+    expect(summary.description).toContain(
+      'If this kernel stays idle, the kernel is restarted (variables lost) in 59m 00s'
+    );
   });
 });

@@ -3,7 +3,7 @@ import type { ReadonlyJSONValue } from '@lumino/coreutils';
 
 import { INotice } from '../api';
 import { GPUSchedModel } from '../model';
-import { GPUSchedNotifier, INotificationSink } from '../notifier';
+import { GPUSchedNotifier, INotificationSink, MAX_MESSAGE, noticeSentence } from '../notifier';
 import { FakeClient } from './fakes';
 import { device, iso, lease, payload, T0 } from './fixtures';
 
@@ -116,7 +116,7 @@ describe('GPUSchedNotifier', () => {
       notice: notice('queued', { position: 2, message: 'all 2 GPUs are busy' })
     });
     expect(sink.last).toMatchObject({
-      message: 'GPU request for Train.ipynb queued at position 2. all 2 GPUs are busy',
+      message: 'GPU request for Train.ipynb queued at position 2: all 2 GPUs are busy',
       type: 'info'
     });
   });
@@ -140,7 +140,7 @@ describe('GPUSchedNotifier', () => {
     const warning = sink.last;
     expect(warning.type).toBe('warning');
     expect(warning.message).toBe(
-      'GPU 0 of Train.ipynb will be reclaimed in 1:00. bob is waiting'
+      'GPU 0 of Train.ipynb will be reclaimed in 1:00 — bob is waiting'
     );
     expect(warning.options.autoClose).toBe(false);
     const actions = warning.options.actions ?? [];
@@ -148,7 +148,7 @@ describe('GPUSchedNotifier', () => {
 
     now += 1000;
     jest.advanceTimersByTime(1000);
-    expect(warning.message).toBe('GPU 0 of Train.ipynb will be reclaimed in 0:59. bob is waiting');
+    expect(warning.message).toBe('GPU 0 of Train.ipynb will be reclaimed in 0:59 — bob is waiting');
 
     actions[0].callback(new MouseEvent('click'));
     expect(client.keepLease).toHaveBeenCalledWith('L1', 1800);
@@ -201,7 +201,7 @@ describe('GPUSchedNotifier', () => {
     expect(sink.last).toMatchObject({ message: 'GPU 0 resumed for Train.ipynb', type: 'success' });
     notifier.handle(notice('lost', { message: 'Xid 79: GPU fell off the bus' }));
     expect(sink.last).toMatchObject({
-      message: 'GPU of Train.ipynb lost. Xid 79: GPU fell off the bus',
+      message: 'GPU of Train.ipynb lost: Xid 79: GPU fell off the bus',
       type: 'error'
     });
     expect(sink.last.options.autoClose).toBe(false);
@@ -213,7 +213,7 @@ describe('GPUSchedNotifier', () => {
     notifier.handle(notice('reclaim_cancelled', { message: 'the kernel ran a cell' }));
     expect(warning.dismissed).toBe(true);
     expect(sink.last).toMatchObject({
-      message: 'Reclaim of GPU 0 of Train.ipynb cancelled. the kernel ran a cell',
+      message: 'Reclaim of GPU 0 of Train.ipynb cancelled: the kernel ran a cell',
       type: 'info'
     });
   });
@@ -230,7 +230,7 @@ describe('GPUSchedNotifier', () => {
   it('tells about a keep from elsewhere (the %gpu magic)', () => {
     notifier.handle(notice('kept', { message: 'Kept for 1h' }));
     expect(sink.last).toMatchObject({
-      message: 'GPU of Train.ipynb: Kept for 1h',
+      message: 'GPU of Train.ipynb kept for 1h',
       type: 'success'
     });
   });
@@ -238,15 +238,14 @@ describe('GPUSchedNotifier', () => {
   it('tells about releases and disruptive reclaims', () => {
     notifier.handle(notice('released', { message: 'Your GPU lease was released by admin' }));
     expect(sink.last).toMatchObject({
-      message: 'GPU of Train.ipynb released. Your GPU lease was released by admin',
+      message: 'GPU of Train.ipynb released by admin',
       type: 'info'
     });
     notifier.handle(
       notice('reclaimed', { message: 'reclaimed: the kernel was restarted to free its GPU' })
     );
     expect(sink.last).toMatchObject({
-      message:
-        'GPU of Train.ipynb reclaimed. reclaimed: the kernel was restarted to free its GPU',
+      message: 'GPU of Train.ipynb reclaimed: the kernel was restarted to free its GPU',
       type: 'warning'
     });
     expect(sink.visible).toHaveLength(1);
@@ -280,3 +279,110 @@ describe('GPUSchedNotifier', () => {
     expect(sink.last.dismissed).toBe(true);
   });
 });
+
+/** Word pairs that occur more than once: a sentence that says the same thing twice. */
+function repeatedPairs(text: string): string[] {
+  const words = text
+    .toLowerCase()
+    .split(/\s+/)
+    .map(word => word.replace(/^[^a-z0-9]+|[^a-z0-9]+$/g, ''))
+    .filter(word => word.length > 0);
+  const seen = new Set<string>();
+  const repeated: string[] = [];
+  for (let i = 0; i + 1 < words.length; i++) {
+    const pair = `${words[i]} ${words[i + 1]}`;
+    if (seen.has(pair)) {
+      repeated.push(pair);
+    }
+    seen.add(pair);
+  }
+  return repeated;
+}
+
+describe('notification wording', () => {
+  // What the server sends with each kind (arbiter.py and the core's reasons).
+  const SERVER: Array<[string, string]> = [
+    ['queued', 'waiting for a GPU'],
+    ['queued', 'waiting for a GPU to restore onto'],
+    ['released', 'released while idle: the kernel held no GPU memory; its next cell asks again'],
+    ['released', 'Your GPU lease was released by root'],
+    [
+      'reclaimed',
+      'reclaimed: the kernel was restarted to free its GPU (idle 1m 05s while 1 kernel waits (borrowed capacity))'
+    ],
+    ['suspended', 'suspended: GPU state checkpointed to host memory; the next cell restores it'],
+    ['kept', 'Kept for 30m'],
+    ['resumed', 'restored onto GPU 0'],
+    ['lost', "restore failed, the kernel's GPU state is lost: CUDA_ERROR_ILLEGAL_STATE"],
+    ['free_cache', 'the kernel holds more than its share: dropping framework caches']
+  ];
+
+  let model: GPUSchedModel;
+  let sink: FakeSink;
+  let notifier: GPUSchedNotifier;
+
+  beforeEach(() => {
+    model = new GPUSchedModel({
+      client: new FakeClient(),
+      openSocket: () => {
+        throw new Error('not used');
+      },
+      socketUrl: 'ws://unused',
+      clock: () => T0,
+      standby: 'never'
+    });
+    model.localKernels = new Map([[KERNEL, 'projects/a-notebook-with-a-rather-long-name-2024.ipynb']]);
+    model.handleEvent({
+      type: 'snapshot',
+      status: payload({
+        leases: [lease('L1', { kernel_id: KERNEL, devices: ['GPU-0'], device_indices: [0] })]
+      })
+    });
+    sink = new FakeSink();
+    notifier = new GPUSchedNotifier({ model, sink });
+  });
+
+  afterEach(() => {
+    notifier.dispose();
+    model.dispose();
+  });
+
+  it.each(SERVER)('says %s with "%s" in one whole sentence', (kind, message) => {
+    notifier.handle(notice(kind, { message, position: 1 }));
+    const shown = sink.last.message;
+    expect(shown.length).toBeLessThanOrEqual(MAX_MESSAGE);
+    expect(shown).not.toMatch(/…$/);
+    expect(shown).not.toMatch(/\.\s+\S/);
+    expect(repeatedPairs(shown)).toEqual([]);
+    expect(balancedParens(shown)).toBe(true);
+  });
+
+  it('leaves out what the headline says already', () => {
+    notifier.handle(notice('queued', { message: 'waiting for a GPU', position: 1 }));
+    expect(sink.last.message).toBe(
+      'GPU request for a-notebook-with-a-rather-l…me-2024.ipynb queued at position 1'
+    );
+    notifier.handle(
+      notice('released', {
+        message: 'released while idle: the kernel held no GPU memory; its next cell asks again'
+      })
+    );
+    expect(sink.last.message).toBe(
+      'GPU of a-notebook-with-a-rather-l…me-2024.ipynb released while idle: the kernel held no GPU memory; its next cell asks again'
+    );
+  });
+
+  it('drops whole clauses that do not fit, never cuts a word', () => {
+    expect(
+      noticeSentence(
+        'GPU of train.ipynb reclaimed',
+        'reclaimed: the kernel was restarted to free its GPU (idle 1m 05s while 3 kernels of 2 users wait for a GPU of this model and size)'
+      )
+    ).toBe('GPU of train.ipynb reclaimed: the kernel was restarted to free its GPU');
+    expect(noticeSentence('GPU of a.ipynb lost', 'x'.repeat(200))).toBe('GPU of a.ipynb lost');
+  });
+});
+
+function balancedParens(text: string): boolean {
+  return (text.match(/\(/g) ?? []).length === (text.match(/\)/g) ?? []).length;
+}
