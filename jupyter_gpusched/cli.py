@@ -136,7 +136,7 @@ def _add_simulate(verbs: argparse._SubParsersAction) -> None:
 def _simulate(args: argparse.Namespace) -> int:
     from .simulate import POLICIES, ReplayOptions, SimulationError, TraceError, find_capacity, load_trace, simulate
     from .simulate.capacity import good_enough
-    from .simulate.report import as_json, plot, table
+    from .simulate.report import PlotUnavailable, as_json, plot, table
 
     try:
         config = SchedConfig(
@@ -172,29 +172,33 @@ def _simulate(args: argparse.Namespace) -> int:
     except (TraceError, SimulationError, SchedulingError) as err:
         return _fail("simulate", str(err))
 
-    if args.plot:
-        try:
-            plot(results, args.plot, title=f"{_name(trace.source)} on {gpus} GPUs")
-        except (RuntimeError, OSError) as err:
-            return _fail("simulate", f"cannot write the plot to {args.plot}: {err}")
     if args.json:
         print(json.dumps(as_json(results, capacities), indent=2))
-        return 0
-    gpu_sessions = trace.gpu_sessions
-    cells = sum(len(s.cells) for s in gpu_sessions)
-    print(
-        f"{_name(trace.source)}: {len(trace.sessions)} sessions ({len(gpu_sessions)} need GPUs, "
-        f"{cells} cells counted); host of {gpus} GPUs; static allocation needs {trace.static_peak()}"
-    )
-    print()
-    print(table(results, capacities))
-    print()
-    print("delay: from a cell's start in the trace until it really starts (queue wait plus restore)")
-    if capacities is not None:
-        print("capacity: fewest GPUs with p95 cell delay <= 5 s and no disruption ('none': not even "
-              f"{trace.static_peak()})")
+    else:
+        gpu_sessions = trace.gpu_sessions
+        cells = sum(len(s.cells) for s in gpu_sessions)
+        print(
+            f"{_name(trace.source)}: {len(trace.sessions)} sessions ({len(gpu_sessions)} need GPUs, "
+            f"{cells} cells counted); host of {gpus} GPUs; static allocation reserves up to "
+            f"{trace.static_peak()} at once"
+        )
+        print()
+        print(table(results, capacities))
+        print()
+        print("delay: from a cell's start in the trace until it really starts (queue wait plus restore)")
+        if capacities is not None:
+            print("capacity: fewest GPUs with p95 cell delay <= 5 s and no disruption ('none': not even "
+                  f"{trace.static_peak()})")
     if args.plot:
-        print(f"plot written to {args.plot}")
+        # The plot comes last: a missing matplotlib or a bad path must not cost the results above.
+        try:
+            plot(results, args.plot, title=f"{_name(trace.source)} on {gpus} GPUs")
+        except PlotUnavailable as err:
+            return _fail("simulate", f"no plot written: {err}", status=1)
+        except (OSError, ValueError) as err:  # a folder that is not there, a format it cannot write
+            return _fail("simulate", f"no plot written: cannot write {args.plot}: {err}", status=1)
+        if not args.json:
+            print(f"plot written to {args.plot}")
     return 0
 
 
@@ -202,9 +206,34 @@ def _name(source: str) -> str:
     return source.replace("\\", "/").rsplit("/", 1)[-1] or "trace"
 
 
-def _fail(verb: str, message: str) -> int:
+def _fail(verb: str, message: str, status: int = 2) -> int:
     print(f"{PROG} {verb}: error: {message}", file=sys.stderr)
-    return 2
+    return status
+
+
+#: What ``jupyter gpusched broker`` says where JupyterHub is not installed.
+NO_HUB = (
+    "the broker runs as a JupyterHub service and needs JupyterHub, which is not installed in this "
+    "environment: pip install jupyterhub (see the README's JupyterHub section for the setup)"
+)
+
+
+def _broker(argv: list[str]) -> int:
+    """Run the hub broker, or say plainly what is missing to run it."""
+    helping = any(arg in ("-h", "--help", "--help-all") for arg in argv)
+    if not helping:
+        try:
+            # The broker authenticates every call with the hub; without JupyterHub it cannot start.
+            import jupyterhub.services.auth  # noqa: F401
+        except ImportError:
+            return _fail("broker", NO_HUB)
+    try:
+        from .hub.broker import main as broker_main
+    except ImportError as err:
+        if (err.name or "").partition(".")[0] != "jupyterhub":
+            raise
+        return _fail("broker", NO_HUB)
+    return broker_main(argv) or 0
 
 
 # -- entry point ---------------------------------------------------------------------------------
@@ -245,9 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["broker"]:
         # The broker is a traitlets application with its own --GPUBroker.<trait>= options.
-        from .hub.broker import main as broker_main
-
-        return broker_main(argv[1:]) or 0
+        return _broker(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -285,6 +287,25 @@ def test_cli_table_plot_and_knobs(tmp_path, capsys):
     assert main(["simulate", "--trace", str(path), "--gpus", "1", "--policy", "dynamic", "--json",
                  "--idle-timeout", "120", "--restore-fixed", "0"]) == 0
     assert json.loads(capsys.readouterr().out)["dynamic"]["cell_delay_p99_s"] == pytest.approx(91 * 0.99, abs=0.01)
+
+
+def test_cli_plot_without_matplotlib_still_prints_the_results(tmp_path):
+    path = tmp_path / "two.csv"
+    path.write_text(TWO_USERS)
+    png = tmp_path / "held.png"
+    wrapper = (
+        "import sys; sys.modules['matplotlib'] = None\n"  # as if matplotlib were not installed
+        "from jupyter_gpusched.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", wrapper, "simulate", "--trace", str(path), "--gpus", "1", "--plot", str(png)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 1
+    assert "policy" in done.stdout and all(policy in done.stdout for policy in POLICIES)
+    assert "pip install 'jupyter-gpusched[plot]'" in done.stderr and "Traceback" not in done.stderr
+    assert not png.exists()
 
 
 def test_cli_errors_are_sentences(tmp_path, capsys):

@@ -81,6 +81,10 @@ def table(results: Mapping[str, Result], capacities: Mapping[str, int | None] | 
     return "\n".join(lines)
 
 
+class PlotUnavailable(RuntimeError):
+    """The plot cannot be drawn here (matplotlib is not installed); the message says what to do."""
+
+
 def plot(results: Mapping[str, Result], path: str, title: str = "") -> None:
     """Write a PNG: per policy, GPUs held over time against GPUs busy in that replay."""
     try:
@@ -89,8 +93,8 @@ def plot(results: Mapping[str, Result], path: str, title: str = "") -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise RuntimeError(
-            "--plot needs matplotlib: pip install 'jupyter-gpusched[plot]'"
+        raise PlotUnavailable(
+            "--plot needs matplotlib, which is not installed: pip install 'jupyter-gpusched[plot]'"
         ) from None
 
     policies = list(results)
