@@ -5,6 +5,11 @@ queue, GPU processes that belong to no lease (with their Unix user), GPU process
 by servers that stopped sending heartbeats, the connected servers; and can drain, undrain and
 release. Any other user with access to the service sees the host as the REST API shows it to
 them: their own leases in full, others' as held by "another user".
+
+Every button that changes something (drain, undrain, release) leads to a confirmation page first
+(no JavaScript needed): the change is made only by a POST that carries the page's XSRF token and
+``confirm=yes``. No page may be framed by another site (``frame-ancestors 'none'``), so a click
+cannot be stolen through an invisible frame.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from ..core import format_bytes
 from ..views import Principal
 
 REFRESH_SECONDS = 5
+#: The pages have no script and load nothing; only their inline style is allowed.
+CONTENT_SECURITY_POLICY = "default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'; frame-ancestors 'none'"
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }
@@ -29,6 +36,7 @@ th { background: #f4f4f4; }
 .muted { color: #777; } .warn { color: #a40; } .ok { color: #060; }
 form { display: inline; } button { font-size: .85em; }
 code { font-size: .85em; }
+.confirm { max-width: 40em; } .confirm button { font-size: 1em; margin-right: 1em; }
 """
 
 
@@ -56,6 +64,14 @@ class PageBase(HubOAuthenticated, web.RequestHandler):
         self.hub_auth = app.hub_auth
         self._model: dict | None = None
 
+    def set_default_headers(self) -> None:
+        # Also on error pages: tornado calls this again when it clears the headers for one.
+        self.set_header("Content-Security-Policy", CONTENT_SECURITY_POLICY)
+        self.set_header("X-Frame-Options", "DENY")
+        self.set_header("X-Content-Type-Options", "nosniff")
+        self.set_header("Referrer-Policy", "same-origin")
+        self.set_header("Cache-Control", "no-store")
+
     async def prepare(self) -> None:
         model = await self.hub_auth.get_user(self, sync=False)
         if model:
@@ -77,14 +93,19 @@ class PageBase(HubOAuthenticated, web.RequestHandler):
             show_holders=self.app.show_holders,
         )
 
-    def form(self, action: str, label: str, confirm: str = "") -> str:
-        onclick = f' onclick="return confirm({_e(repr(confirm))})"' if confirm else ""
+    def form(self, action: str, label: str) -> str:
+        """A button that opens the confirmation page of ``action`` (it changes nothing itself)."""
         return (
-            f'<form method="post" action="{_e(self.app.prefix + action)}">'
-            f'<input type="hidden" name="_xsrf" value="{_e(self._xsrf())}">'
-            f'<button type="submit"{onclick}>{_e(label)}</button></form>'
+            f'<form method="get" action="{_e(self.app.prefix + action)}">'
+            f'<button type="submit">{_e(label)}…</button></form>'
         )
 
+    def html_page(self, title: str, body: str, refresh: bool = False) -> str:
+        return (
+            "<!DOCTYPE html><html><head><meta charset='utf-8'>"
+            + (f"<meta http-equiv='refresh' content='{REFRESH_SECONDS}'>" if refresh else "")
+            + f"<title>{_e(title)}</title><style>{_STYLE}</style></head><body>{body}</body></html>"
+        )
 
     def _xsrf(self) -> str:
         token = self.xsrf_token
@@ -97,14 +118,10 @@ class PageHandler(PageBase):
         who = self.principal()
         status = await self.broker.status(who)
         self.set_header("Content-Type", "text/html; charset=utf-8")
-        self.set_header("Cache-Control", "no-store")
         self.finish(self.render_page(status, who))
 
     def render_page(self, status: dict, who: Principal) -> str:
         parts = [
-            "<!DOCTYPE html><html><head><meta charset='utf-8'>",
-            f"<meta http-equiv='refresh' content='{REFRESH_SECONDS}'>",
-            f"<title>GPUs of this host</title><style>{_STYLE}</style></head><body>",
             "<h1>GPUs of this host</h1>",
             f"<p class='muted'>Signed in as <b>{_e(who.user)}</b>{' (hub admin)' if who.admin else ''}. "
             f"Policy <code>{_e(status.get('policy'))}</code>, {_e(status.get('backend'))} backend"
@@ -117,8 +134,7 @@ class PageHandler(PageBase):
         if who.admin:
             parts += self._processes(status)
             parts += self._servers(status)
-        parts.append("</body></html>")
-        return "".join(parts)
+        return self.html_page("GPUs of this host", "".join(parts), refresh=True)
 
     def _devices(self, status: dict, who: Principal) -> list[str]:
         rows = []
@@ -132,7 +148,7 @@ class PageHandler(PageBase):
             if who.admin and health == "drained":
                 action = self.form(f"admin/devices/{d['uuid']}/undrain", "Undrain")
             elif who.admin and health == "ok":
-                action = self.form(f"admin/devices/{d['uuid']}/drain", "Drain", f"Drain GPU {d['index']}? No new leases go there.")
+                action = self.form(f"admin/devices/{d['uuid']}/drain", "Drain")
             util = d.get("utilization")
             rows.append(
                 f"<tr><td>{_e(d['index'])}</td><td>{_e(d['name'])}<br><code class='muted'>{_e(d['uuid'])}</code></td>"
@@ -154,7 +170,7 @@ class PageHandler(PageBase):
             gpus = ", ".join(f"GPU {i}" for i in le.get("device_indices", [])) or "-"
             action = ""
             if (le.get("mine") or who.admin) and le.get("state") != "released":
-                action = self.form(f"admin/leases/{le['id']}/release", "Release", "Release this lease now?")
+                action = self.form(f"admin/leases/{le['id']}/release", "Release")
             rows.append(
                 f"<tr><td><code>{_e(le['id'][:12])}</code></td><td>{_e(le['user'])}</td>"
                 f"<td><code>{_e((le.get('kernel_id') or '-')[:12])}</code></td><td>{_e(le.get('notebook') or '')}</td>"
@@ -221,6 +237,8 @@ class PageHandler(PageBase):
 
 
 class _Action(PageBase):
+    """GET: the confirmation page. POST with ``confirm=yes`` (and the XSRF token): the change."""
+
     def back(self) -> None:
         self.redirect(self.app.prefix)
 
@@ -233,16 +251,86 @@ class _Action(PageBase):
             raise web.HTTPError(exc.status, exc.message.replace("%", "%%")) from None
         self.back()
 
+    def confirmed(self) -> bool:
+        return self.get_body_argument("confirm", "") == "yes"
+
+    def confirm_page(self, question: str, detail: str, label: str) -> None:
+        """Ask before changing anything; the answer is a POST of this same URL."""
+        body = (
+            f"<div class='confirm'><h1>{_e(question)}</h1><p>{detail}</p>"
+            f'<form method="post" action="{_e(self.request.path)}">'
+            f'<input type="hidden" name="_xsrf" value="{_e(self._xsrf())}">'
+            '<input type="hidden" name="confirm" value="yes">'
+            f'<button type="submit">{_e(label)}</button></form>'
+            f'<a href="{_e(self.app.prefix)}">Cancel</a></div>'
+        )
+        self.set_header("Content-Type", "text/html; charset=utf-8")
+        self.finish(self.html_page(question, body))
+
 
 class DrainFormHandler(_Action):
     @web.authenticated
+    async def get(self, uuid: str, action: str) -> None:
+        await self.ask(uuid, action)
+
+    async def ask(self, uuid: str, action: str) -> None:
+        who = self.principal()
+        if not who.admin:
+            raise web.HTTPError(403, "only a hub admin can drain or undrain a GPU")
+        status = await self.broker.status(who)
+        device = next((d for d in status.get("devices", []) if d.get("uuid") == uuid), None)
+        if device is None:
+            raise web.HTTPError(404, "no such GPU on this host")
+        gpu = f"GPU {device.get('index')}"
+        if action == "drain":
+            held = len(device.get("lease_ids") or ())
+            self.confirm_page(
+                f"Drain {gpu}?",
+                f"{_e(device.get('name'))} <code>{_e(uuid)}</code>: no new lease will be granted on it until "
+                f"it is undrained. {held} lease(s) on it now keep it until they end.",
+                f"Drain {gpu}",
+            )
+        else:
+            self.confirm_page(
+                f"Undrain {gpu}?",
+                f"{_e(device.get('name'))} <code>{_e(uuid)}</code>: new leases may be granted on it again "
+                "(check that its maintenance is over).",
+                f"Undrain {gpu}",
+            )
+
+    @web.authenticated
     async def post(self, uuid: str, action: str) -> None:
+        if not self.confirmed():
+            await self.ask(uuid, action)
+            return
         who = self.principal()
         await self.act(lambda: self.broker.drain(who, uuid, action == "drain", f"drained by {who.user} on the admin page"))
 
 
 class ReleaseFormHandler(_Action):
     @web.authenticated
+    async def get(self, lease_id: str) -> None:
+        await self.ask(lease_id)
+
+    async def ask(self, lease_id: str) -> None:
+        who = self.principal()
+        status = await self.broker.status(who)
+        lease = next((le for le in status.get("leases", []) if le.get("id") == lease_id), None)
+        if lease is None or not (who.admin or lease.get("mine")):
+            raise web.HTTPError(404, "no such lease of yours")
+        gpus = ", ".join(f"GPU {i}" for i in lease.get("device_indices") or ()) or "no GPU yet"
+        notebook = f" ({_e(lease['notebook'])})" if lease.get("notebook") else ""
+        self.confirm_page(
+            "Release this lease?",
+            f"Lease <code>{_e(lease_id[:12])}</code> of {_e(lease.get('user'))}{notebook}, {_e(lease.get('state'))}, "
+            f"on {_e(gpus)}: it ends now, and its GPUs go to whoever waits.",
+            "Release the lease",
+        )
+
+    @web.authenticated
     async def post(self, lease_id: str) -> None:
+        if not self.confirmed():
+            await self.ask(lease_id)
+            return
         who = self.principal()
         await self.act(lambda: self.broker.release(who, lease_id))

@@ -1,0 +1,227 @@
+"""The broker's admin page: no framing by other sites, and a confirmation before every change.
+
+The page handlers run in a real tornado application with XSRF cookies, in front of a recording
+broker; the hub login is a stub that knows a few users (the real hub is in test_hub.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from http.cookies import SimpleCookie
+from types import SimpleNamespace
+from urllib.parse import urlencode
+
+import pytest
+from jupyterhub.services.auth import HubOAuth
+from tornado import web
+from tornado.httpclient import AsyncHTTPClient, HTTPRequest
+from tornado.httpserver import HTTPServer
+
+from conftest import free_port
+from jupyter_gpusched.hub import page
+
+PREFIX = "/services/gpusched/"
+SCOPE = "access:services!service=gpusched"
+USERS = {
+    "tok-root": {"kind": "user", "name": "root", "admin": True, "groups": [], "scopes": [SCOPE]},
+    "tok-alice": {"kind": "user", "name": "alice", "admin": False, "groups": [], "scopes": [SCOPE]},
+}
+UUID0, UUID1 = "GPU-aaaa", "GPU-bbbb"
+
+
+class StubHubOAuth(HubOAuth):
+    """The broker's hub login, except that users come from a table instead of the hub.
+
+    The XSRF rules are the hub's own: a user here is signed in as through the login cookie, so a
+    form must carry the page's token.
+    """
+
+    async def get_user(self, handler, sync=True):
+        header = handler.request.headers.get("Authorization", "")
+        model = USERS.get(header[6:].strip()) if header.startswith("token ") else None
+        return dict(model) if model else None
+
+    def check_scopes(self, required, model):
+        return set(required) & set(model.get("scopes", []))
+
+
+class RecordingBroker:
+    """Answers status as the broker would and records every change asked of it."""
+
+    def __init__(self) -> None:
+        self.changes: list[tuple] = []
+        self.drained: set[str] = set()
+
+    async def status(self, who):
+        devices = [
+            {
+                "uuid": uuid, "index": i, "name": "Simulated H100 80GB", "memory_total": 80 * 2**30,
+                "memory_used": 0, "utilization": 0.0, "health": "drained" if uuid in self.drained else "ok",
+                "lease_ids": ["lease-alice-1"] if i == 0 else [], "processes": [],
+            }
+            for i, uuid in enumerate((UUID0, UUID1))
+        ]
+        lease = {
+            "id": "lease-alice-1", "user": "alice", "kernel_id": "k1" if who.user == "alice" else None,
+            "notebook": "train.ipynb", "state": "active", "device_indices": [0], "count": 1,
+            "idle_seconds": None, "reason": "granted", "mine": who.user == "alice",
+        }
+        return {
+            "policy": "hybrid", "backend": "simulated", "time": "2025-01-01T00:00:00Z", "devices": devices,
+            "leases": [lease], "queue": [], "unleased_processes": [], "stranded_processes": [], "servers": [],
+        }
+
+    async def drain(self, who, uuid, drained, reason=""):
+        self.changes.append(("drain" if drained else "undrain", who.user, uuid))
+        (self.drained.add if drained else self.drained.discard)(uuid)
+        return {}
+
+    async def release(self, who, lease_id):
+        self.changes.append(("release", who.user, lease_id))
+
+
+class Site:
+    """The page's routes (as the broker registers them) served on a local port."""
+
+    def __init__(self) -> None:
+        self.broker = RecordingBroker()
+        hub_auth = StubHubOAuth(api_token="not-used", base_url=PREFIX, access_scopes={SCOPE}, login_url="")
+        app = SimpleNamespace(broker=self.broker, hub_auth=hub_auth, prefix=PREFIX, show_holders=True)
+        kw = {"app": app}
+        self.web_app = web.Application(
+            [
+                (PREFIX.rstrip("/") + "/?", page.PageHandler, kw),
+                (PREFIX + r"admin/devices/(?P<uuid>[A-Za-z0-9_\-]+)/(?P<action>drain|undrain)", page.DrainFormHandler, kw),
+                (PREFIX + r"admin/leases/(?P<lease_id>[A-Za-z0-9_\-]+)/release", page.ReleaseFormHandler, kw),
+            ],
+            cookie_secret="x" * 32,
+            xsrf_cookies=True,
+        )
+        self.port = free_port()
+        self.cookies: dict[str, str] = {}
+
+    async def __aenter__(self) -> Site:
+        self.server = HTTPServer(self.web_app)
+        self.server.listen(self.port, "127.0.0.1")
+        self.http = AsyncHTTPClient(force_instance=True)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.http.close()
+        self.server.stop()
+
+    async def fetch(self, path: str, token: str = "tok-root", method: str = "GET", form: dict | None = None):
+        headers = {"Authorization": f"token {token}"}
+        if self.cookies:
+            headers["Cookie"] = "; ".join(f"{k}={v}" for k, v in self.cookies.items())
+        body = None
+        if method == "POST":
+            headers["Content-Type"] = "application/x-www-form-urlencoded"
+            body = urlencode(form or {})
+        r = await self.http.fetch(
+            HTTPRequest(f"http://127.0.0.1:{self.port}{PREFIX}{path}", method=method, headers=headers, body=body,
+                        follow_redirects=False),
+            raise_error=False,
+        )
+        for value in r.headers.get_list("Set-Cookie"):
+            for name, morsel in SimpleCookie(value).items():
+                self.cookies[name] = morsel.value
+        return r
+
+
+def xsrf_of(text: str) -> str:
+    return re.search(r'name="_xsrf" value="([^"]+)"', text).group(1)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def assert_not_frameable(r):
+    assert "frame-ancestors 'none'" in r.headers.get("Content-Security-Policy", "")
+    assert r.headers.get("X-Frame-Options") == "DENY"
+
+
+def test_no_page_may_be_framed_by_another_site():
+    async def scenario():
+        async with Site() as site:
+            for path, token in (("", "tok-root"), ("", "tok-alice"), (f"admin/devices/{UUID0}/drain", "tok-root")):
+                r = await site.fetch(path, token)
+                assert r.code == 200, r.body
+                assert_not_frameable(r)
+            # Error pages too: a refused drain, an unknown GPU.
+            r = await site.fetch(f"admin/devices/{UUID0}/drain", "tok-alice")
+            assert r.code == 403
+            assert_not_frameable(r)
+            r = await site.fetch("admin/devices/GPU-nope/drain")
+            assert r.code == 404
+            assert_not_frameable(r)
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    "path, change, question",
+    [
+        (f"admin/devices/{UUID1}/drain", ("drain", "root", UUID1), "Drain GPU 1?"),
+        ("admin/leases/lease-alice-1/release", ("release", "root", "lease-alice-1"), "Release this lease?"),
+    ],
+)
+def test_a_change_happens_only_after_its_confirmation(path, change, question):
+    async def scenario():
+        async with Site() as site:
+            main = (await site.fetch("")).body.decode()
+            # The button on the page only opens the confirmation; it carries no token to post.
+            assert f'<form method="get" action="{PREFIX}{path}">' in main
+            assert "onclick" not in main and "<script" not in main
+
+            asked = await site.fetch(path)
+            text = asked.body.decode()
+            assert asked.code == 200 and question in text and "Cancel" in text
+            assert 'name="confirm" value="yes"' in text
+            assert site.broker.changes == []
+
+            # A post without the confirmation (an old page, a stray click) only asks again.
+            r = await site.fetch(path, method="POST", form={"_xsrf": xsrf_of(text)})
+            assert r.code == 200 and question in r.body.decode()
+            assert site.broker.changes == []
+            # Without the XSRF token nothing happens either.
+            r = await site.fetch(path, method="POST", form={"confirm": "yes"})
+            assert r.code == 403 and site.broker.changes == []
+
+            r = await site.fetch(path, method="POST", form={"_xsrf": xsrf_of(text), "confirm": "yes"})
+            assert r.code == 302 and r.headers["Location"] == PREFIX
+            assert site.broker.changes == [change]
+
+    run(scenario())
+
+
+def test_undrain_asks_too():
+    async def scenario():
+        async with Site() as site:
+            site.broker.drained.add(UUID1)
+            main = (await site.fetch("")).body.decode()
+            assert f'action="{PREFIX}admin/devices/{UUID1}/undrain"' in main
+            text = (await site.fetch(f"admin/devices/{UUID1}/undrain")).body.decode()
+            assert "Undrain GPU 1?" in text
+            r = await site.fetch(f"admin/devices/{UUID1}/undrain", method="POST", form={"_xsrf": xsrf_of(text)})
+            assert r.code == 200 and site.broker.changes == []
+            r = await site.fetch(
+                f"admin/devices/{UUID1}/undrain", method="POST", form={"_xsrf": xsrf_of(text), "confirm": "yes"}
+            )
+            assert r.code == 302 and site.broker.changes == [("undrain", "root", UUID1)]
+
+    run(scenario())
+
+
+def test_a_user_confirms_only_the_release_of_their_own_lease():
+    async def scenario():
+        async with Site() as site:
+            text = (await site.fetch("admin/leases/lease-alice-1/release", "tok-alice")).body.decode()
+            assert "Release this lease?" in text and "train.ipynb" in text
+            assert (await site.fetch(f"admin/devices/{UUID1}/drain", "tok-alice")).code == 403
+            assert (await site.fetch("admin/leases/someone-else/release", "tok-alice")).code == 404
+            assert site.broker.changes == []
+
+    run(scenario())
