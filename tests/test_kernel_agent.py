@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -338,10 +339,12 @@ class Shown:
 
     def __init__(self) -> None:
         self.items: list[tuple[str, str | None, bool]] = []
+        self.html: list[str | None] = []
         self.on_show = None
 
     def __call__(self, text, html_text=None, display_id=None, update=False):
         self.items.append((text, display_id, update))
+        self.html.append(html_text)
         if self.on_show is not None:
             self.on_show(text)
 
@@ -439,8 +442,60 @@ def test_discovery_says_when_no_server_runs_the_extension(server, tmp_path):
         json.dumps({"url": server.url, "token": SERVER_TOKEN, "pid": os.getpid()})
     )
     server.extension = False
-    with pytest.raises(NoServerError, match="No Jupyter server with the GPU scheduler extension was found"):
+    with pytest.raises(NoServerError, match=r"The Jupyter server that runs this kernel \(http.*\) does not run"):
         Client.discover(kernel_id=KERNEL, runtime_dir=str(tmp_path))
+
+
+def test_discovery_passes_over_a_scheduler_that_does_not_run_this_kernel(server, tmp_path):
+    # Another server on the host runs the extension, but not this kernel (nbconvert started it):
+    # its GPUs are not this kernel's to see, and it would never grant this kernel one.
+    (tmp_path / "jpserver-3.json").write_text(
+        json.dumps({"url": server.url, "token": SERVER_TOKEN, "pid": os.getpid()})
+    )
+    server.kernels = {"someone-elses-kernel"}
+    with pytest.raises(NoServerError, match="No running Jupyter server knows this kernel"):
+        Client.discover(kernel_id=KERNEL, runtime_dir=str(tmp_path))
+    assert not any(p.startswith("api/gpusched") for _, p, _, _ in server.requests)
+
+
+@pytest.fixture
+def no_scheduler(server, tmp_path, monkeypatch):
+    """A kernel that no server with the extension runs, on a host where one server has it."""
+    for name in ("URL", "TOKEN", "KERNEL_ID"):
+        monkeypatch.delenv(f"JUPYTER_GPUSCHED_{name}", raising=False)
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path))
+    (tmp_path / "jpserver-4.json").write_text(
+        json.dumps({"url": server.url, "token": SERVER_TOKEN, "pid": os.getpid()})
+    )
+    server.kernels = {"someone-elses-kernel"}
+    monkeypatch.setattr(agent_mod, "_kernel_id_from_connection_file", lambda: KERNEL)
+    return server
+
+
+def test_without_a_scheduler_every_magic_and_call_says_so_and_none_shows_gpus(shell, no_scheduler):
+    agent, shown = load(shell)
+    for line in ("%gpu", "%gpu status --all", "%gpu keep 30m", "%gpu panel", "%gpu release"):
+        assert run(shell, line).success, line
+    text = shown.joined()
+    assert len(shown.texts) == 5 and all(t.startswith("No GPU scheduler for this kernel") for t in shown.texts)
+    # Why, and what to do, is said once (the first time), not at every magic.
+    assert text.count("No running Jupyter server knows this kernel") == 1
+    assert "there is no GPU to keep" in text and "there is no GPU to release" in text
+    assert "H100" not in text and "free" not in text
+    result = run(shell, "%gpu acquire")
+    assert isinstance(result.error_in_exec, NoServerError)
+
+    from jupyter_gpusched import gpu
+
+    assert gpu.has_scheduler is False
+    for call in (gpu.status, gpu.acquire, gpu.release, lambda: gpu.keep("10m")):
+        with pytest.raises(NoServerError, match="No running Jupyter server knows this kernel"):
+            call()
+    with pytest.raises(NoServerError), gpu.lease(1):
+        pass
+    # The host's other scheduler was never asked about GPUs, and ordinary cells still run.
+    assert not any(p.startswith("api/gpusched") for _, p, _, _ in no_scheduler.requests)
+    assert run(shell, "x = 1").success and agent.lease is None
 
 
 # -- the pre-run hook ----------------------------------------------------------------------------
@@ -486,8 +541,31 @@ def test_waiting_shows_a_live_queue_position_then_binds(shell, provisioned):
     assert len(ids) == 1 and None not in ids  # one display, updated in place
     assert [u for _, _, u in waits] == [False, True, True]
     final = [t for t, d, _ in shown.items if d in ids][-1]
-    assert final.startswith("Got GPU 0 after")
+    assert final == "Got GPU 0."  # served within a second: no "after 0s in the queue"
     assert os.environ["CUDA_VISIBLE_DEVICES"] == UUIDS[0]
+
+
+def test_a_long_wait_says_how_long_and_lists_the_gpus_in_index_order(shell, provisioned, monkeypatch):
+    provisioned.positions[KERNEL] = [2, 1]
+    plain_grant = provisioned.grant
+
+    def grant_in_reverse(lease):
+        # The server lists the devices in its own order; index 1 first here.
+        if not plain_grant(lease):
+            return False
+        lease.update(devices=UUIDS[::-1], device_indices=[1, 0])
+        return True
+
+    monkeypatch.setattr(provisioned, "grant", grant_in_reverse)
+    agent, shown = load(shell)
+    ticks = iter(range(1_000_000, 2_000_000, 4))
+    agent.clock = lambda: float(next(ticks))
+    agent.acquire(2)
+    waited = [t for t in shown.texts if t.startswith("Got ")]
+    assert len(waited) == 1 and re.fullmatch(r"Got GPUs 0, 1 after \d+s in the queue\.", waited[0]), waited
+    assert shown.texts[-1] == f"This kernel holds GPUs 0, 1 ({UUIDS[0]}, {UUIDS[1]})."
+    # cuda:0 is GPU 0: the kernel sees its GPUs in index order.
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ",".join(UUIDS)
 
 
 def test_no_wait_returns_at_once_with_the_position(shell, provisioned):
@@ -626,11 +704,55 @@ def test_status_magic_shows_the_lease_the_gpus_and_the_queue(shell, provisioned,
     assert "Scheduler: mode standalone, backend simulated, policy hybrid" in out
 
 
+def test_a_lazy_kernel_says_it_gets_its_gpu_at_its_first_cell(shell, provisioned, capsys):
+    agent, _shown = load(shell)
+    agent._display = agent_mod._ipython_display
+    run(shell, "%gpu")
+    out = capsys.readouterr().out
+    assert out.startswith("GPU: at first cell. This kernel asks for its GPU (1 GPU, exclusive) before its first cell runs.")
+    assert "holds no GPU" not in out and provisioned.count("POST") == 0
+    run(shell, "a = 1")
+    run(shell, "%gpu release")
+    capsys.readouterr()
+    run(shell, "%gpu")
+    assert capsys.readouterr().out.startswith("This kernel holds no GPU.")  # it asks for none by itself now
+
+
+def test_status_says_what_idle_will_do_and_what_a_shared_lease_uses(shell, provisioned, capsys):
+    agent, _shown = load(shell)
+    agent._display = agent_mod._ipython_display
+    run(shell, "a = 1")
+    at = time.time() + 58 * 60 + 20
+    provisioned.lease_of().update(
+        mode="shared",
+        memory=8 * GiB,
+        memory_held=2 * GiB,
+        last_active_at=iso(-5),
+        idle_seconds=5,
+        idle_forecast={
+            "step": "checkpoint",
+            "at": datetime.fromtimestamp(at, timezone.utc).isoformat().replace("+00:00", "Z"),
+            "contended_at": iso(55),
+            "contended_by": "anyone",
+            "reason": "checkpointed after 1h00m00s idle with nobody waiting",
+        },
+    )
+    provisioned.devices[0]["memory_used"] = None  # a GPU whose use the driver does not report
+    capsys.readouterr()
+    run(shell, "%gpu")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "This kernel holds GPU 0 (1 GPU, 8.0 GiB each, shared): active, uses 2.0 GiB of its 8.0 GiB share."
+    hhmm = time.strftime("%H:%M", time.localtime(at))
+    assert lines[1] == f"Idle: checkpointed at {hhmm} (in 58 min) if still idle; after 60 s idle if someone waits."
+    row = next(line for line in lines if line.startswith("0 "))
+    assert "2.0 GiB (this kernel) / 80.0 GiB" in row and "?" not in row
+
+
 @pytest.mark.parametrize(
     "line, message",
     [
         ("%gpu acquire --memory 1TiB", "more than the largest GPU here"),
-        ("%gpu acquire 2", "already has lease"),
+        ("%gpu acquire 2", "This kernel holds GPU 0 (exclusive); %gpu release first to ask for a different GPU."),
         ("%gpu acquire 0", "count must be a whole number of GPUs, at least 1"),
         ("%gpu acquire --memory lots", "memory must be a size such as '16GiB'"),
         ("%gpu keep 3h", "keep is limited to 7200 seconds on this server"),
@@ -669,7 +791,9 @@ def test_keep_and_release_magics(shell, provisioned):
     assert run(shell, "%gpu release").success
     assert provisioned.requests[-1][0] == "DELETE"
     assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
-    assert "Released GPU 0." in shown.joined() and "until you run `%gpu acquire`" in shown.joined()
+    # Code is marked up as code in HTML, and shown without backticks as text.
+    assert "Released GPU 0." in shown.joined() and "until you run %gpu acquire." in shown.joined()
+    assert "`" not in shown.joined() and "until you run <code>%gpu acquire</code>." in shown.html[-1]
     # An explicit release sticks: the next cell does not take the GPU again.
     posts = provisioned.count("POST")
     run(shell, "b = 2")
@@ -726,8 +850,9 @@ def test_watcher_counts_down_a_reclaim_and_says_when_it_is_off(shell, provisione
     text, display_id, update = shown.items[-1]
     assert text.startswith(
         "GPU 0 will be taken back in 55 s because borrowed, idle and bob's claim L9 is waiting; "
-        "run `%gpu keep 30m` to keep it."
+        "run %gpu keep 30m to keep it."
     )
+    assert "run <code>%gpu keep 30m</code> to keep it" in shown.html[-1]
     assert "the kernel restarts" in text and not update
     lease["reclaim_at"] = iso(52.4)
     agent.watch_once()

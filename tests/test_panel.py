@@ -167,6 +167,42 @@ def test_panel_shows_this_kernels_queue_place_and_a_reclaim_countdown():
     panel.close()
 
 
+def test_panel_says_what_idle_will_do_and_what_a_shared_lease_uses():
+    status = payload()
+    status["devices"][0]["memory_used"] = None  # the driver does not report this GPU's memory
+    status["leases"][0].update(
+        mode="shared",
+        memory=8 * GiB,
+        memory_held=2 * GiB,
+        last_active_at=iso(-420),
+        idle_forecast={
+            "step": "restart",
+            "at": iso(3 * 3600 + 30),
+            "contended_at": iso(-420 + 90),
+            "contended_by": "same_user",
+            "reason": "restarted (its variables are lost) after 1h00m00s idle with nobody waiting",
+        },
+    )
+    panel = Panel(fetch=lambda: status, kernel_id=ME)
+    panel.refresh()
+    text = panel.lease_html.value
+    assert text.startswith("This kernel holds GPU 0 (1 GPU, 8.0 GiB each, shared): idle for 7 min, uses 2.0 GiB of its 8.0 GiB share.<br>")
+    assert "Idle: restarted after a notice at " in text and "(in 3 h 00 min) if still idle" in text
+    assert text.endswith("; after 90 s idle if another of your kernels waits.")
+    assert panel.rows[U0].memory_label.value == "2.0 GiB (this kernel) / 80.0 GiB"
+    panel.close()
+
+
+def test_panel_of_a_lazy_kernel_says_it_gets_its_gpu_at_its_first_cell():
+    status = payload()
+    del status["leases"][0]
+    status["devices"][0]["lease_ids"] = []
+    panel = Panel(fetch=lambda: status, kernel_id=ME, first_cell=lambda: {"count": 1, "mode": "exclusive"})
+    panel.refresh()
+    assert panel.lease_html.value.startswith("GPU: at first cell.")
+    panel.close()
+
+
 def test_panel_updates_changed_values_only():
     status = payload()
     panel = Panel(fetch=lambda: status, kernel_id=ME)

@@ -27,7 +27,7 @@ from IPython.core.error import InputRejected
 
 from . import cuda as _cuda
 from . import render
-from .client import Client, GPUSchedError
+from .client import Client, GPUSchedError, NoServerError
 
 log = logging.getLogger("jupyter_gpusched.kernel")
 
@@ -268,6 +268,8 @@ class Agent:
 
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
+        self._no_scheduler: str | None = None
+        self._said_no_scheduler = False
         self._watch_failures = 0
         self._countdowns: dict[str, str] = {}
         self._freed: set[tuple[str, Any]] = set()
@@ -279,14 +281,42 @@ class Agent:
     # -- identity and transport --------------------------------------------------------------
     @property
     def client(self) -> Client:
-        """The HTTP client (raises NoServerError if no server with the extension is found)."""
+        """The HTTP client (raises NoServerError if no server with the extension is found).
+
+        The search happens once: a kernel without a scheduler stays without one, and every
+        later call says so with the same message.
+        """
         with self._lock:
             if self._client is None:
+                if self._no_scheduler is not None:
+                    raise NoServerError(self._no_scheduler)
                 client = Client.from_environment(self.environ)
                 if client is None:
-                    client = Client.discover(kernel_id=_kernel_id_from_connection_file())
+                    try:
+                        client = Client.discover(kernel_id=_kernel_id_from_connection_file())
+                    except NoServerError as err:
+                        self._no_scheduler = err.message
+                        log.info("no GPU scheduler for this kernel: %s", err.message)
+                        raise
                 self._client = client
             return self._client
+
+    @property
+    def has_scheduler(self) -> bool:
+        """Whether a GPU scheduler serves this kernel (found on first use; never raises)."""
+        try:
+            self.client
+        except NoServerError:
+            return False
+        return True
+
+    def say_no_scheduler(self, what: str = "it has no GPU") -> None:
+        """Say that this kernel has no GPU scheduler: why, the first time; briefly after that."""
+        if not self._said_no_scheduler and self._no_scheduler:
+            self._said_no_scheduler = True
+            self._say(f"No GPU scheduler for this kernel, so {what}. {self._no_scheduler}")
+        else:
+            self._say(f"No GPU scheduler for this kernel, so {what}.")
 
     @property
     def kernel_id(self) -> str | None:
@@ -367,7 +397,7 @@ class Agent:
 
         Returns the message shown, if any.
         """
-        uuids = [str(u) for u in lease.get("devices") or []]
+        uuids = render.device_uuids(lease)
         if not uuids:
             return None
         want = ",".join(uuids)
@@ -431,7 +461,15 @@ class Agent:
     def _say(
         self, text: str, html_text: str | None = None, display_id: str | None = None, update: bool = False
     ) -> None:
-        """Show a line in the cell that is running (or, from the watcher, the last one that ran)."""
+        """Show a line in the cell that is running (or, from the watcher, the last one that ran).
+
+        Code in backticks is marked up as code in HTML and shown without the backticks as text.
+        """
+        if html_text:
+            html_text = render.code_html(html_text)
+        elif "`" in text:
+            html_text = render.code_html(html.escape(text))
+        text = render.plain(text)
         with self._cell_context():
             try:
                 self._display(text, html_text, display_id, update)
@@ -503,9 +541,9 @@ class Agent:
                 waited = self.clock() - start
                 if state in render.HOLDING:
                     if progress is not None:
-                        progress.finish(
-                            f"Got {render.gpu_label(lease)} after {render.format_duration(waited)} in the queue."
-                        )
+                        # Only a wait that was shown is finished; a claim served at once says nothing here.
+                        queued = f" after {render.format_duration(waited)} in the queue" if waited >= 1 else ""
+                        progress.finish(f"Got {render.gpu_label(lease)}{queued}.")
                     return lease, True, waited
                 if state == "released":
                     raise GPUSchedError(
@@ -607,16 +645,21 @@ class Agent:
         resuming = bool(previous and previous.get("state") == "suspended")
         self._user_released = False
         self._last_claim = {"count": count, "memory": memory_bytes, "mode": mode, "priority": priority}
-        lease, granted, _waited = self._claim(
-            count, memory_bytes, mode, priority, seconds, resuming=resuming, show_wait=show_wait
-        )
+        try:
+            lease, granted, _waited = self._claim(
+                count, memory_bytes, mode, priority, seconds, resuming=resuming, show_wait=show_wait
+            )
+        except GPUSchedError as err:
+            if err.status != 409:
+                raise
+            raise GPUSchedError(self._conflict(err), err.status, err.reason) from None
         self.start_watcher()
         if granted:
             self._ensure_bound(lease, resumed=resuming)
             if not quiet:
                 verb = "Restored this kernel's GPU state onto" if resuming else "This kernel holds"
                 self._say(
-                    f"{verb} {render.gpu_label(lease)} ({render.uuid_list(lease.get('devices') or [])})."
+                    f"{verb} {render.gpu_label(lease)} ({render.uuid_list(render.device_uuids(lease))})."
                 )
             return lease
         position = lease.get("position")
@@ -632,6 +675,30 @@ class Agent:
             f"No GPU became free within {render.format_duration(seconds)} (this kernel was at position "
             f"{position or '?'} in the queue). {message.replace('Stopped waiting for a GPU; the', 'The')}"
         )
+
+    def _conflict(self, err: GPUSchedError) -> str:
+        """The server's 409 in terms of this kernel's own lease, where it has one."""
+        try:
+            lease = self.refresh()
+        except GPUSchedError:
+            return err.message
+        state = lease.get("state") if lease else None
+        if state in render.HOLDING:
+            return (
+                f"This kernel holds {render.gpu_label(lease)} ({lease.get('mode') or 'exclusive'}); "
+                "`%gpu release` first to ask for a different GPU."
+            )
+        if state == "pending":
+            return (
+                f"This kernel is already waiting for {render.claim_label(lease)}; `%gpu release` first "
+                "to ask for something else."
+            )
+        if state == "suspended":
+            return (
+                f"This kernel's GPU state ({render.claim_label(lease)}) is checkpointed and is restored "
+                "before its next cell; `%gpu release` first to ask for something else."
+            )
+        return err.message
 
     def release(self, *, quiet: bool = False) -> dict | None:
         """Give this kernel's GPUs back now (and withdraw a waiting claim)."""
@@ -690,7 +757,16 @@ class Agent:
         lease = self.refresh()
         status["kernel_id"] = self.client.kernel_id
         status["lease"] = lease if lease and lease.get("state") in render.LIVE else None
+        status["first_cell"] = self._first_cell_claim() if status["lease"] is None else None
         return status
+
+    def _first_cell_claim(self) -> dict | None:
+        """The claim the pre-run hook makes before the next cell, for a lazily bound kernel that
+        has never held a lease (``None``: it makes none by itself)."""
+        s = self.settings
+        if not (s.auto_bind and s.bind == "lazy") or self._user_released or self._had_lease:
+            return None
+        return {"count": s.gpus, "memory": s.memory, "mode": s.mode}
 
     # -- the pre-run hook ---------------------------------------------------------------------
     def pre_run_cell(self, info: Any) -> None:
@@ -783,7 +859,7 @@ class Agent:
             message = self._ensure_bound(lease)
             if message is None:
                 self._say(
-                    f"This kernel uses {render.gpu_label(lease)} ({render.uuid_list(lease.get('devices') or [])})."
+                    f"This kernel uses {render.gpu_label(lease)} ({render.uuid_list(render.device_uuids(lease))})."
                 )
 
     def _await_checkpoint(self, lease: dict) -> dict | None:
@@ -937,7 +1013,7 @@ class Agent:
 
         if same and pstate == "pending" and nstate in render.HOLDING:
             self._say(
-                f"Granted {render.gpu_label(new)} ({render.uuid_list(new.get('devices') or [])}); cells "
+                f"Granted {render.gpu_label(new)} ({render.uuid_list(render.device_uuids(new))}); cells "
                 "run from now on use it."
             )
 
@@ -1012,6 +1088,7 @@ class Agent:
                 "keep": lambda: self.keep(1800, quiet=True),
             },
             clock=self.clock,
+            first_cell=self._first_cell_claim,
         )
         self.panel_obj.start()
         return self.panel_obj

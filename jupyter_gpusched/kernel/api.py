@@ -25,6 +25,12 @@ class GPU:
     def agent(self) -> Agent:
         return self._agent if self._agent is not None else get_agent()
 
+    @property
+    def has_scheduler(self) -> bool:
+        """Whether a GPU scheduler serves this kernel. Without one, every call here raises
+        ``NoServerError`` (a ``GPUSchedError``) saying why, and ``%gpu`` says so."""
+        return self.agent.has_scheduler
+
     def acquire(
         self,
         count: int | None = None,

@@ -49,7 +49,8 @@ class GPUSchedError(Exception):
 
     def _render_traceback_(self) -> list[str]:
         # IPython shows this instead of a traceback: a user needs the message, not our stack.
-        return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self.message}"]
+        text = self.message.replace("`", "")  # plain text: no markdown code marks
+        return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {text}"]
 
 
 class NoServerError(GPUSchedError):
@@ -129,9 +130,10 @@ class Client:
     ) -> Client:
         """Find the running Jupyter server of this kernel from its ``jpserver-*.json`` files.
 
-        Prefers the server that knows ``kernel_id``; among those, one that answers on
-        ``api/gpusched/status``. Raises :class:`NoServerError` with a plain explanation when
-        there is none.
+        Only a server that knows ``kernel_id`` (runs this kernel) and answers on
+        ``api/gpusched/status`` serves it: another server's scheduler would list its GPUs but
+        never grant this kernel one. Raises :class:`NoServerError` with a plain explanation
+        when there is none.
         """
         if runtime_dir is None:
             from jupyter_core.paths import jupyter_runtime_dir
@@ -144,8 +146,12 @@ class Client:
                 "server with the GPU scheduler extension either. Start this kernel from "
                 "JupyterLab or Jupyter Server with jupyter_gpusched enabled."
             )
-        without_extension: list[str] = []
-        fallback: Client | None = None
+        if not kernel_id:
+            raise NoServerError(
+                "This kernel's id is unknown (it was not started from a kernel connection file), so "
+                "no Jupyter server's GPU scheduler can serve it."
+            )
+        owner_without_extension: str | None = None
         for info in servers:
             client = cls(
                 info["url"],
@@ -153,33 +159,31 @@ class Client:
                 kernel_id=kernel_id,
                 timeout=timeout,
             )
-            if kernel_id:
-                try:
-                    owns = client.request("GET", f"api/kernels/{urllib.parse.quote(kernel_id)}")[0] == 200
-                except GPUSchedError:
-                    owns = False
-            else:
+            try:
+                owns = client.request("GET", f"api/kernels/{urllib.parse.quote(kernel_id)}")[0] == 200
+            except GPUSchedError:
                 owns = False
+            if not owns:
+                continue
             try:
                 client.request("GET", "api/gpusched/status")
             except GPUSchedError as err:
                 if err.status in (404, None):
-                    without_extension.append(client.base_url)
+                    owner_without_extension = client.base_url
                     continue
                 # 403 or 503: the extension is there, the answer will say more later on.
             client.timeout = DEFAULT_TIMEOUT
-            if owns:
-                return client
-            fallback = fallback or client
-        if fallback is not None:
-            # No server knows the kernel (or its id is unknown): the newest server with the
-            # extension is the best guess, and it says so if it does not know the kernel.
-            return fallback
+            return client
+        if owner_without_extension is not None:
+            raise NoServerError(
+                f"The Jupyter server that runs this kernel ({owner_without_extension}) does not run the "
+                "GPU scheduler extension. Enable it with `jupyter server extension enable "
+                "jupyter_gpusched` and restart the server."
+            )
         raise NoServerError(
-            "No Jupyter server with the GPU scheduler extension was found (checked "
-            + ", ".join(without_extension)
-            + "). Enable it with `jupyter server extension enable jupyter_gpusched` and restart "
-            "the server."
+            "No running Jupyter server knows this kernel (it was started by nbconvert, nbclient or a "
+            "console, say), so no GPU scheduler serves it. Open the notebook in JupyterLab or Jupyter "
+            "Server with jupyter_gpusched enabled to get a GPU."
         )
 
     # -- transport ---------------------------------------------------------------------------

@@ -28,6 +28,14 @@ USAGE = """\
 %gpu panel                the live status panel (ipywidgets)"""
 
 
+_NOTHING = {
+    "status": "it has no GPU",
+    "release": "there is no GPU to release",
+    "keep": "there is no GPU to keep",
+    "panel": "there is no GPU panel",
+}
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that raises UsageError instead of printing and exiting."""
 
@@ -90,6 +98,10 @@ class GPUMagics(Magics):
                 "(`%gpu help` explains them)."
             )
         args = parser.parse_args(words[1:])
+        if command != "acquire" and not self.agent.has_scheduler:
+            # Said plainly instead of failing: there is nothing to show, keep or release.
+            self.agent.say_no_scheduler(_NOTHING[command])
+            return None
         try:
             return getattr(self, f"_{command}")(args)
         except ValueError as err:
@@ -98,7 +110,12 @@ class GPUMagics(Magics):
     def _status(self, args: argparse.Namespace) -> None:
         status = self.agent.status()
         text, html_text = render.status_report(
-            status, status.get("kernel_id"), status.get("lease"), self.agent.clock(), show_all=args.all
+            status,
+            status.get("kernel_id"),
+            status.get("lease"),
+            self.agent.clock(),
+            show_all=args.all,
+            first_cell=status.get("first_cell"),
         )
         self.agent._say(text, html_text)
 

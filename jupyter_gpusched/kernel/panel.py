@@ -52,7 +52,9 @@ class _DeviceRow:
             [self.name, self.util, self.util_label, self.memory, self.memory_label, self.holder]
         )
 
-    def update(self, device: Mapping[str, Any], holder: str, mine: bool) -> None:
+    def update(
+        self, device: Mapping[str, Any], holder: str, mine: bool, lease: Mapping[str, Any] | None = None
+    ) -> None:
         index = device.get("index", "?")
         health = device.get("health") or "ok"
         name = f"GPU {index} · {html.escape(str(device.get('name') or 'GPU'))}"
@@ -84,7 +86,7 @@ class _DeviceRow:
                 self.memory, value=used_gib, bar_style="warning" if full else ("success" if mine else "info")
             )
             _set(self.memory, max=total_gib)
-        _set(self.memory_label, value=render.memory_label(device))
+        _set(self.memory_label, value=render.memory_label(device, lease))
 
         text = html.escape(holder)
         if mine:
@@ -115,6 +117,8 @@ class Panel:
         actions: callables for the buttons: ``acquire``, ``release``, ``keep``. Each may raise
             GPUSchedError or ValueError; the panel shows the message.
         clock: wall-clock seconds, for countdowns.
+        first_cell: returns the claim a lazily bound kernel makes before its first cell while it
+            has no lease (``None``: it makes none).
     """
 
     def __init__(
@@ -124,6 +128,7 @@ class Panel:
         interval: float = 2.0,
         actions: Mapping[str, Callable[[], Any]] | None = None,
         clock: Callable[[], float] = time.time,
+        first_cell: Callable[[], Mapping[str, Any] | None] | None = None,
     ):
         import ipywidgets as w
 
@@ -133,6 +138,7 @@ class Panel:
         self.interval = max(0.05, float(interval))
         self.actions = dict(actions or {})
         self.clock = clock
+        self.first_cell = first_cell
         #: How many times the panel read the status (tests watch it stop growing).
         self.fetch_count = 0
         self.last_status: Mapping[str, Any] | None = None
@@ -272,10 +278,14 @@ class Panel:
                 _set(self.lease_html, value="This host has no GPUs to schedule.")
             for dev in devices:
                 holder, is_mine = render.device_holders(dev, by_id, self.kernel_id)
-                self.rows[str(dev.get("uuid"))].update(dev, holder, is_mine)
+                self.rows[str(dev.get("uuid"))].update(dev, holder, is_mine, mine)
 
             if devices:
-                _set(self.lease_html, value=html.escape(render.lease_line(mine, now)))
+                claim = self.first_cell() if self.first_cell is not None and mine is None else None
+                line = render.first_cell_line(claim) if claim else render.lease_line(mine, now)
+                idle = render.idle_line(mine, now)
+                value = html.escape(line) + (f"<br>{html.escape(idle)}" if idle else "")
+                _set(self.lease_html, value=value)
             self._render_queue(status.get("queue") or [])
 
             state = mine.get("state") if mine else None

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import html
 import os
+import re
+import time
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timezone
 from typing import Any
@@ -75,15 +77,46 @@ def parse_time(value: object) -> float | None:
     return moment.timestamp()
 
 
+# -- text with code in it --------------------------------------------------------------------
+_CODE = re.compile(r"`([^`]+)`")
+
+
+def plain(text: str) -> str:
+    """``run `%gpu keep 30m` to keep it`` as plain text: the backticks go."""
+    return _CODE.sub(r"\1", text)
+
+
+def code_html(escaped: str) -> str:
+    """Already escaped HTML with ```code``` spans marked up as ``<code>``."""
+    return _CODE.sub(r"<code>\1</code>", escaped)
+
+
 # -- leases --------------------------------------------------------------------------------
+def ordered_devices(lease: Mapping[str, Any]) -> list[tuple[int | None, str]]:
+    """The lease's ``(index, uuid)`` pairs, lowest index first (the server's order if unknown)."""
+    uuids = [str(u) for u in lease.get("devices") or []]
+    indices = list(lease.get("device_indices") or [])
+    if len(indices) != len(uuids) or any(not isinstance(i, int) for i in indices):
+        return [(None, u) for u in uuids]
+    return sorted(zip(indices, uuids))
+
+
 def gpu_label(lease: Mapping[str, Any]) -> str:
-    """``GPU 0`` or ``GPUs 0, 1`` (UUIDs when the indices are unknown)."""
-    indices = [i for i in lease.get("device_indices") or [] if i is not None]
-    names = [str(i) for i in indices] or [str(u) for u in lease.get("devices") or []]
+    """``GPU 0`` or ``GPUs 0, 1`` in index order (UUIDs when the indices are unknown)."""
+    pairs = ordered_devices(lease)
+    names = [str(u if i is None else i) for i, u in pairs]
+    if not names:
+        indices = sorted(i for i in lease.get("device_indices") or [] if isinstance(i, int))
+        names = [str(i) for i in indices]
     if not names:
         count = lease.get("count") or 1
         return f"{count} GPU{'s' if count != 1 else ''}"
     return ("GPUs " if len(names) > 1 else "GPU ") + ", ".join(names)
+
+
+def device_uuids(lease: Mapping[str, Any]) -> list[str]:
+    """The lease's GPU UUIDs in index order: the order CUDA numbers them in this kernel."""
+    return [u for _, u in ordered_devices(lease)]
 
 
 def uuid_list(uuids: Iterable[str]) -> str:
@@ -119,6 +152,9 @@ def lease_line(lease: Mapping[str, Any] | None, now: float) -> str:
     text = f"This kernel holds {gpu_label(lease)} ({claim_label(lease)}): {state}"
     if state == "idle" and lease.get("idle_seconds") is not None:
         text += f" for {format_idle(lease['idle_seconds'])}"
+    share = share_label(lease)
+    if share:
+        text += f", {share}"
     if state == "reclaiming":
         left = seconds_until(lease.get("reclaim_at"), now)
         step = lease.get("reclaim_step")
@@ -130,6 +166,93 @@ def lease_line(lease: Mapping[str, Any] | None, now: float) -> str:
     if keep_left:
         text += f", kept for {format_duration(keep_left)} more"
     return text + "."
+
+
+def share_label(lease: Mapping[str, Any]) -> str:
+    """``uses 2.0 GiB of its 8.0 GiB share`` for a shared lease whose use is known, else ``""``."""
+    share, held = lease.get("memory"), lease.get("memory_held")
+    if lease.get("mode") != "shared" or not share or held is None:
+        return ""
+    text = f"uses {format_bytes(held)} of its {format_bytes(share)} share"
+    if held > share:
+        text += " (over it: its framework caches may be dropped when the GPU is needed)"
+    return text
+
+
+_DONE = {
+    "release": "released",
+    "checkpoint": "checkpointed",
+    "free-cache": "asked to free its cached GPU memory",
+    "restart": "restarted",
+    "shutdown": "shut down",
+}
+
+
+def clock_time(at: float, now: float) -> str:
+    """``14:32`` in the kernel's local time (with the date when it is not within a day)."""
+    moment = time.localtime(at)
+    if abs(at - now) >= 86400:
+        return time.strftime("%Y-%m-%d %H:%M", moment)
+    return time.strftime("%H:%M", moment)
+
+
+def span(seconds: float) -> str:
+    """``60 s``, ``5 min``, ``1 h``, ``1 h 30 min``: a duration in plain words."""
+    seconds = max(0.0, float(seconds))
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    minutes = round(seconds / 60)
+    if minutes < 60:
+        return f"{minutes} min"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h" + (f" {minutes} min" if minutes else "")
+
+
+def idle_line(lease: Mapping[str, Any] | None, now: float) -> str:
+    """What idle will do to this kernel's lease, in plain words (``""`` when nothing to say).
+
+    From the lease's ``idle_forecast``: ``Idle: checkpointed at 14:32 (in 58 min) if still idle;
+    after 60 s idle if someone waits.``
+    """
+    if not lease or lease.get("state") not in ("active", "idle"):
+        return ""
+    forecast = lease.get("idle_forecast")
+    if not isinstance(forecast, Mapping):
+        return ""
+    step = forecast.get("step")
+    at = parse_time(forecast.get("at"))
+    contended = parse_time(forecast.get("contended_at"))
+    if step is None:
+        reason = str(forecast.get("reason") or "")
+        if "static" in reason:
+            return "Idle: never taken back; the GPU stays with this kernel until it ends (static policy)."
+        return "Idle: never taken back while idle."
+    done = _DONE.get(str(step), str(step))
+    notice = " after a notice" if step in ("restart", "shutdown") else ""
+    if at is not None:
+        left = at - now
+        when = "now" if left < 1 else f"at {clock_time(at, now)} (in {span(left) if left < 120 else format_idle(left)})"
+        first = f"{done}{notice} {when} if still idle"
+    else:
+        first = "kept while nobody waits"
+    parts = [first]
+    who = {"anyone": "someone waits", "same_user": "another of your kernels waits"}.get(
+        str(forecast.get("contended_by"))
+    )
+    if who and contended is not None:
+        since = parse_time(lease.get("last_active_at"))
+        busy_or_unknown = since is None or lease.get("idle_seconds") in (None, 0)
+        base = now if busy_or_unknown else since
+        if at is None:
+            parts.append(f"{done}{notice} after {span(contended - base)} idle if {who}")
+        else:
+            parts.append(f"after {span(contended - base)} idle if {who}")
+    return "Idle: " + "; ".join(parts) + "."
+
+
+def first_cell_line(claim: Mapping[str, Any]) -> str:
+    """The line for a lazily bound kernel that has no lease yet."""
+    return f"GPU: at first cell. This kernel asks for its GPU ({claim_label(claim)}) before its first cell runs."
 
 
 def holder_label(lease: Mapping[str, Any] | None, kernel_id: str | None) -> str:
@@ -178,12 +301,16 @@ def percent(value: object) -> str:
     return "-" if value is None else f"{float(value):.0f}%"
 
 
-def memory_label(device: Mapping[str, Any]) -> str:
+def memory_label(device: Mapping[str, Any], mine: Mapping[str, Any] | None = None) -> str:
+    """``12.0 GiB / 80.0 GiB``; where the device's use is unknown, what this kernel's lease uses."""
     used, total = device.get("memory_used"), device.get("memory_total")
     if total is None:
         return "-"
     if used is None:
-        return f"? / {format_bytes(total)}"
+        held = (mine or {}).get("memory_held")
+        if held is not None and device.get("uuid") in ((mine or {}).get("devices") or []):
+            return f"{format_bytes(held)} (this kernel) / {format_bytes(total)}"
+        return f"unknown / {format_bytes(total)}"
     return f"{format_bytes(used)} / {format_bytes(total)}"
 
 
@@ -194,15 +321,26 @@ def status_report(
     lease: Mapping[str, Any] | None,
     now: float,
     show_all: bool = False,
+    first_cell: Mapping[str, Any] | None = None,
 ) -> tuple[str, str]:
-    """``(text, html)`` for ``%gpu status``: this kernel's lease, the GPUs, the queue."""
+    """``(text, html)`` for ``%gpu status``: this kernel's lease, the GPUs, the queue.
+
+    ``first_cell`` is the claim a lazily bound kernel makes before its first cell, when it has
+    no lease yet.
+    """
     leases = list(status.get("leases") or [])
     by_id = {le.get("id"): le for le in leases}
     if lease is None:
         lease = my_lease(leases, kernel_id)
     queue = list(status.get("queue") or [])
-    text: list[str] = [lease_line(lease, now)]
+    live = lease is not None and lease.get("state") in LIVE
+    first = first_cell_line(first_cell) if first_cell is not None and not live else lease_line(lease, now)
+    text: list[str] = [first]
     html_parts: list[str] = [f"<p>{html.escape(text[0])}</p>"]
+    idle = idle_line(lease, now)
+    if idle:
+        text.append(idle)
+        html_parts.append(f"<p>{html.escape(idle)}</p>")
     mine_in_queue = next((q for q in queue if kernel_id and q.get("kernel_id") == kernel_id), None)
     if mine_in_queue is not None:
         line = f"Queue: position {mine_in_queue.get('position')} of {len(queue)}."
@@ -224,7 +362,7 @@ def status_report(
                     str(dev.get("index", "?")),
                     str(dev.get("name") or "GPU"),
                     percent(dev.get("utilization")),
-                    memory_label(dev),
+                    memory_label(dev, lease),
                     str(dev.get("health") or "ok"),
                     holders,
                 ),
