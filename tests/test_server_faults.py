@@ -177,3 +177,78 @@ async def test_kill_policy_ends_gpu_processes_without_a_lease(jp_fetch, arbiter,
     finally:
         if rogue.poll() is None:
             rogue.kill()
+
+
+@pytest.mark.parametrize("sched_config", [{"backend": "simulated", "simulated_devices": 2, "unleased_processes": "kill"}])
+async def test_kill_policy_tells_a_kernel_that_uses_a_gpu_beside_its_lease_then_ends_that_process(
+    jp_fetch, arbiter, sched_config
+):
+    """A kernel of this server on a GPU it holds no lease for is reported with its kernel id; in
+    kill mode its process there gets a notice first and is ended at the next check. Processes of
+    leased kernels on their own GPUs, and processes no longer on a GPU, are never ended."""
+    import subprocess
+    import sys
+
+    kernel_id = await _kernel(jp_fetch)
+    other = await _kernel(jp_fetch)
+    _, lease = await api(jp_fetch, "leases", method="POST", body={"kernel_id": kernel_id})
+    mine, spare = lease["devices"][0], next(d.uuid for d in arbiter.state.snapshot if d.uuid not in lease["devices"])
+    kernel_pid = arbiter.kernels.kernel_pid(kernel_id)
+    # A process of this user outside every kernel, on the other GPU for a moment only.
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    notices = []
+    arbiter.subscribe(lambda event: notices.append(event.notice) if event.type == "notice" else None)
+    try:
+        arbiter.backend.add_process(mine, kernel_pid, "1GiB")
+        # A kernel without any lease that uses a GPU: its own process there.
+        other_pid = arbiter.kernels.kernel_pid(other)
+        arbiter.backend.add_process(spare, other_pid, "1GiB")
+        arbiter.backend.add_process(spare, worker.pid, "1GiB")
+        await arbiter.tick()
+        _, status = await api(jp_fetch, "status")
+        by_pid = {p["pid"]: p for p in status["unleased_processes"]}
+        assert by_pid[other_pid]["kernel_id"] == other and by_pid[other_pid]["device"] == spare
+        assert worker.pid in by_pid and kernel_pid not in by_pid
+        told = [n for n in notices if n["kind"] == "outside_lease"]
+        assert [n["kernel_id"] for n in told] == [other] and "GPU" in told[0]["message"]
+        assert psutil.pid_exists(other_pid) and worker.poll() is None, "told first, not ended yet"
+        # The worker leaves the GPU before the next check: it is spared.
+        arbiter.backend.remove_process(worker.pid)
+        await arbiter.tick()
+        psutil.Process(other_pid).wait(timeout=10)
+        assert worker.poll() is None, "no longer on a GPU: spared"
+        assert psutil.pid_exists(kernel_pid), "the leased kernel on its own GPU is untouched"
+        _, got = await api(jp_fetch, "leases", lease["id"])
+        assert got["state"] == "active"
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+
+
+async def test_a_checkpoint_left_behind_is_restored_at_the_next_pass(jp_fetch, arbiter):
+    """The ledger remembers every checkpoint taken; one whose lease is gone (the arbiter stopped
+    between the checkpoint and the release, say) is restored onto its GPU at the next pass, so no
+    process stays frozen."""
+    import subprocess
+    import sys
+
+    from jupyter_gpusched.ledger import Checkpoint
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        uuid = arbiter.state.snapshot[0].uuid
+        arbiter.backend.add_process(uuid, proc.pid, "1GiB")
+        moved = arbiter.backend.checkpoint(proc.pid)
+        assert moved == 1 << 30 and arbiter.backend.checkpointed(proc.pid) == moved
+        with arbiter.ledger.transaction() as tx:
+            tx.add_checkpoint(
+                Checkpoint(proc.pid, psutil.Process(proc.pid).create_time(), "gone-lease", "gone-kernel", (uuid,), moved, tx.now)
+            )
+        await arbiter.tick()
+        assert arbiter.backend.checkpointed(proc.pid) == 0
+        held = {p.pid: p.memory_used for d in arbiter.backend.snapshot() for p in d.processes}
+        assert held.get(proc.pid) == 1 << 30, "its GPU memory is back where it was"
+        assert arbiter.ledger.checkpoints() == []
+    finally:
+        proc.kill()
+        proc.wait(10)
