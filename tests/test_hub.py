@@ -459,15 +459,29 @@ def test_the_admin_page_shows_the_host_and_drains(hub):
         assert "GPUs of this host" in page and "(hub admin)" in page
         assert "alice" in page and "bob" in page and str(stray.pid) in page
         assert "GPU processes without a lease" in page and "Single-user servers" in page
-        # Drain GPU 0 from the page (a form with the page's XSRF token), then undrain it.
-        r = admin.post(hub.broker_url + f"admin/devices/{uuid0}/drain", data={"_xsrf": _xsrf_of(page)}, timeout=30)
+        # Drain GPU 0 from the page: its button asks first, and the confirmation (a form with the
+        # page's XSRF token) drains; then undrain it.
+        assert admin.get(hub.broker_url, timeout=30).headers.get("X-Frame-Options") == "DENY"
+        asked = admin.get(hub.broker_url + f"admin/devices/{uuid0}/drain", timeout=30)
+        assert asked.status_code == 200 and "Drain GPU 0?" in asked.text
+        assert next(d for d in admin_status(hub)["devices"] if d["uuid"] == uuid0)["health"] == "ok"
+        r = admin.post(
+            hub.broker_url + f"admin/devices/{uuid0}/drain", data={"_xsrf": _xsrf_of(asked.text), "confirm": "yes"},
+            timeout=30,
+        )
         assert r.status_code == 200, r.text
         assert next(d for d in admin_status(hub)["devices"] if d["uuid"] == uuid0)["health"] == "drained"
         page = r.text
         assert "Undrain" in page
         r = admin.post(hub.broker_url + f"admin/devices/{uuid0}/drain", data={}, timeout=30)
         assert r.status_code == 403, "a form without the XSRF token is refused"
-        r = admin.post(hub.broker_url + f"admin/devices/{uuid0}/undrain", data={"_xsrf": _xsrf_of(page)}, timeout=30)
+        asked = admin.get(hub.broker_url + f"admin/devices/{uuid0}/undrain", timeout=30)
+        assert asked.status_code == 200 and "Undrain GPU 0?" in asked.text
+        r = admin.post(
+            hub.broker_url + f"admin/devices/{uuid0}/undrain",
+            data={"_xsrf": _xsrf_of(asked.text), "confirm": "yes"},
+            timeout=30,
+        )
         assert r.status_code == 200
         assert next(d for d in admin_status(hub)["devices"] if d["uuid"] == uuid0)["health"] == "ok"
 
@@ -476,7 +490,8 @@ def test_the_admin_page_shows_the_host_and_drains(hub):
         page = bob.get(hub.broker_url, timeout=30).text
         assert "GPUs of this host" in page and "another user" in page and "alice" not in page
         assert "Drain" not in page and str(stray.pid) not in page
-        r = bob.post(hub.broker_url + f"admin/devices/{uuid0}/drain", data={"_xsrf": _xsrf_of(page)}, timeout=30)
+        assert bob.get(hub.broker_url + f"admin/devices/{uuid0}/drain", timeout=30).status_code == 403
+        r = bob.post(hub.broker_url + f"admin/devices/{uuid0}/drain", data={"confirm": "yes"}, timeout=30)
         assert r.status_code == 403
         # Metrics are for admins.
         assert hub.call("GET", hub.broker_url + "metrics", hub.token("bob"))[0] == 403
