@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import getpass
+import logging
 import os
 
 from jupyter_server.extension.application import ExtensionApp
@@ -11,6 +12,9 @@ from traitlets import Bool, TraitError, Unicode, default, validate
 from ..config import SCHEDULING_TRAITS, SchedulingConfig, open_inventory
 
 __all__ = ["GPUSchedApp", "SCHEDULING_TRAITS", "SchedulingConfig", "open_inventory"]
+
+#: The logger of the whole package (arbiter, ledger, devices, reclaim and their children).
+PACKAGE_LOGGER = "jupyter_gpusched"
 
 
 class GPUSchedApp(SchedulingConfig, ExtensionApp):
@@ -52,7 +56,29 @@ class GPUSchedApp(SchedulingConfig, ExtensionApp):
     def _broker_url_default(self) -> str:
         return os.environ.get("JUPYTER_GPUSCHED_BROKER_URL", "")
 
+    def _wire_logging(self) -> None:
+        """Send the package's log records (grants, queueing, reclaims, ...) to the server's log.
+
+        The package logs to ``logging.getLogger("jupyter_gpusched")``, which jupyter_server's
+        logging setup never hears of: its records would fall through to the root logger, which
+        has no handler, and info lines would be lost. jupyter_server hooks tornado's loggers up
+        to its own the same way: by making the app's logger their parent, so that they take its
+        handlers, format and level (``--log-level``).
+        """
+        package_log = logging.getLogger(PACKAGE_LOGGER)
+        if package_log.parent is not self.log:
+            self._log_parent = package_log.parent
+            package_log.parent = self.log
+
+    def _unwire_logging(self) -> None:
+        parent = getattr(self, "_log_parent", None)
+        package_log = logging.getLogger(PACKAGE_LOGGER)
+        if parent is not None and package_log.parent is self.log:
+            package_log.parent = parent
+        self._log_parent = None
+
     def initialize_settings(self) -> None:
+        self._wire_logging()
         from ..arbiter import LocalArbiter
         from ..ledger import Ledger
         from ..metrics import Metrics
@@ -123,6 +149,7 @@ class GPUSchedApp(SchedulingConfig, ExtensionApp):
 
         reg = getattr(self, "registry", None)
         if reg is None:
+            self._unwire_logging()
             return
         self._stopped = True
         try:
@@ -135,3 +162,4 @@ class GPUSchedApp(SchedulingConfig, ExtensionApp):
             if thing is not None:
                 thing.close()
         registry.install(None)
+        self._unwire_logging()
