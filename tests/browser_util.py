@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -15,6 +16,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
     "--headless",
@@ -212,6 +216,65 @@ class LabServer:
                 self.proc.wait(timeout=10)
         # Kernels run in sessions of their own and exit when the server they poll is gone.
         self.log.close()
+
+
+# -- fixtures shared by the browser test modules (import them there) ---------------------------
+# pytest-jupyter's autouse fixtures make and close an asyncio loop around every test; Playwright's
+# sync API runs its own loop in this thread, which they would close. Nothing here needs theirs:
+# the server under test is a separate process.
+@pytest.fixture(autouse=True)
+def jp_asyncio_loop():
+    yield None
+
+
+@pytest.fixture(autouse=True)
+def jp_server_cleanup():
+    yield
+
+
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    path = chromium_path()
+    if path is None:
+        pytest.skip(
+            "Chromium not found at /usr/bin/chromium even after scripts/test.d/10-chromium.sh "
+            "(it installs it with apt-get as root): cannot drive JupyterLab in a browser"
+        )
+    return path
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory) -> Path:
+    """Where screenshots go: ``docs/screenshots`` (the README shows them) when
+    ``GPUSCHED_UPDATE_SCREENSHOTS=1``, else a temporary directory."""
+    if os.environ.get("GPUSCHED_UPDATE_SCREENSHOTS") == "1":
+        where = ROOT / "docs" / "screenshots"
+        where.mkdir(parents=True, exist_ok=True)
+        return where
+    return tmp_path_factory.mktemp("screenshots")
+
+
+@contextlib.contextmanager
+def browser_page(chromium: str, width: int = 1400, height: int = 900):
+    """A fresh Chromium page (Playwright's sync API)."""
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:  # pragma: no cover - the test extra and the setup script install it
+        pytest.fail("playwright is not installed: pip install playwright (never `playwright install`)")
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        try:
+            context = browser.new_context(viewport={"width": width, "height": height})
+            context.set_default_timeout(30_000)
+            yield context.new_page()
+            context.close()
+        finally:
+            browser.close()
+
+
+def toasts(page, has_text):
+    """The notifications on screen whose text matches ``has_text`` (a string or a pattern)."""
+    return page.locator(".jp-toastContainer .Toastify__toast").filter(has_text=has_text)
 
 
 # -- JupyterLab page helpers --------------------------------------------------------------------

@@ -12,20 +12,21 @@ when ``GPUSCHED_UPDATE_SCREENSHOTS=1``, else to a temporary directory.
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import time
 from datetime import datetime
-from pathlib import Path
 
 import pytest
 
-from browser_util import (
-    CHROMIUM_ARGS,
+from browser_util import (  # noqa: F401 - fixtures shared by the browser test modules
     KERNEL_NAME,
+    chromium,
+    jp_asyncio_loop,
+    jp_server_cleanup,
+    shots,
     LabServer,
     activate,
-    chromium_path,
+    browser_page,
     new_gpu_notebook,
     open_lab,
     run_cell,
@@ -34,7 +35,6 @@ from browser_util import (
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parent.parent
 GiB = 1024**3
 GRACE = 15
 TRAIN, EVAL = "train.ipynb", "eval.ipynb"
@@ -59,39 +59,6 @@ def _fmt_bytes(size: float) -> str:
     raise AssertionError("unreachable")
 
 
-# pytest-jupyter's autouse fixtures make and close an asyncio loop around every test; Playwright's
-# sync API runs its own loop in this thread, which they would close. Nothing here needs theirs:
-# the server under test is a separate process.
-@pytest.fixture(autouse=True)
-def jp_asyncio_loop():
-    yield None
-
-
-@pytest.fixture(autouse=True)
-def jp_server_cleanup():
-    yield
-
-
-@pytest.fixture(scope="module")
-def chromium() -> str:
-    path = chromium_path()
-    if path is None:
-        pytest.skip(
-            "Chromium not found at /usr/bin/chromium even after scripts/test.d/10-chromium.sh "
-            "(it installs it with apt-get as root): cannot drive JupyterLab in a browser"
-        )
-    return path
-
-
-@pytest.fixture(scope="module")
-def shots(tmp_path_factory) -> Path:
-    if os.environ.get("GPUSCHED_UPDATE_SCREENSHOTS") == "1":
-        where = ROOT / "docs" / "screenshots"
-        where.mkdir(parents=True, exist_ok=True)
-        return where
-    return tmp_path_factory.mktemp("screenshots")
-
-
 @pytest.fixture(scope="module")
 def lab(chromium, tmp_path_factory):
     server = LabServer(tmp_path_factory.mktemp("lab"), extra=LAB_OPTIONS, devices=2)
@@ -101,21 +68,9 @@ def lab(chromium, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def page(chromium, lab):
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:  # pragma: no cover - the test extra and the setup script install it
-        pytest.fail("playwright is not installed: pip install playwright (never `playwright install`)")
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
-        try:
-            context = browser.new_context(viewport={"width": 1400, "height": 900})
-            context.set_default_timeout(30_000)
-            page = context.new_page()
-            open_lab(page, lab, "gpusched-browser-test")
-            yield page
-            context.close()
-        finally:
-            browser.close()
+    with browser_page(chromium) as page:
+        open_lab(page, lab, "gpusched-browser-test")
+        yield page
 
 
 @pytest.fixture(scope="module")
