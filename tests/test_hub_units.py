@@ -11,6 +11,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -59,8 +60,6 @@ def child():
 
 def settle(pid: int, timeout: float = 10.0) -> None:
     """Wait until ``pid`` has started up and sleeps (its CPU time stops growing)."""
-    import time
-
     deadline = time.monotonic() + timeout
     last = procs.runtime_ns([pid])
     while time.monotonic() < deadline:
@@ -74,17 +73,18 @@ def settle(pid: int, timeout: float = 10.0) -> None:
 class ServerProcess:
     """A stand-in single-user server: a real process with a real "kernel" child process."""
 
-    def __init__(self) -> None:
+    def __init__(self, kernel_code: str = "import time; time.sleep(60)") -> None:
         code = (
             "import subprocess, sys, time\n"
-            "k = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            f"k = subprocess.Popen([sys.executable, '-c', {kernel_code!r}])\n"
             "print(k.pid, flush=True)\n"
             "time.sleep(60)\n"
         )
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
         self.pid = self.proc.pid
         self.kernel_pid = int(self.proc.stdout.readline())
-        settle(self.kernel_pid)
+        if "sleep" in kernel_code:
+            settle(self.kernel_pid)
 
     def close(self) -> None:
         for pid in (self.kernel_pid, self.pid):
@@ -210,15 +210,7 @@ def test_busy_counts_only_with_evidence(clock, servers):
     busy, last, _ = kernels.activity()["k"]
     assert busy is True and last == wall.now
     # A kernel that really runs on the CPU: busy, but only up to max_busy_without_gpu.
-    spinner = ServerProcess.__new__(ServerProcess)
-    code = (
-        "import subprocess, sys, time\n"
-        "k = subprocess.Popen([sys.executable, '-c', 'while True: pass'])\n"
-        "print(k.pid, flush=True)\n"
-        "time.sleep(60)\n"
-    )
-    spinner.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    spinner.pid, spinner.kernel_pid = spinner.proc.pid, int(spinner.proc.stdout.readline())
+    spinner = ServerProcess("while True: pass")
     try:
         connect(kernels, "s2", "bob", pid=spinner.pid)
         results = []
@@ -228,9 +220,7 @@ def test_busy_counts_only_with_evidence(clock, servers):
             beat(kernels, "s2", c={"busy": True, "pid": spinner.kernel_pid, "last_busy_at": wall.now})
             beat(kernels, "s1", k={"busy": False, "pid": server.kernel_pid})
             kernels.process_trees()
-            import time as _time
-
-            _time.sleep(0.02)
+            time.sleep(0.02)
             kernels.process_trees()
             results.append(kernels.activity()["c"][0])
         assert results[1] is True, "a kernel that computes is busy"
