@@ -485,7 +485,10 @@ export function idleOutlook(
   const sentence = `${parts.join('')}.`;
   const someone = forecast.contended_by === 'same_user' ? 'another kernel of yours' : 'someone';
   let brief: string;
-  if (alone !== null) {
+  if (someoneWaits && contended !== null && (alone === null || contended < alone)) {
+    // Someone waits now: the sooner time is the one that applies.
+    brief = `If idle: ${verb} ${when(contended)} (${someone} waits)`;
+  } else if (alone !== null) {
     brief = `If idle: ${verb} ${when(alone)}`;
     if (contended !== null && contended < alone) {
       brief += `, ${when(contended)} if ${someone} waits`;

@@ -346,7 +346,10 @@ describe('idleOutlook', () => {
       'If this kernel stays idle, its GPU state is suspended to host memory (variables kept) in 59m 00s, or in 1m 00s if someone waits for a GPU.'
     );
     // With someone in the queue, the sooner time is the one that applies.
-    expect(idleOutlook(idle({}), T0, true)?.short).toBe('suspend in 1m 00s');
+    expect(idleOutlook(idle({}), T0, true)).toMatchObject({
+      short: 'suspend in 1m 00s',
+      brief: 'If idle: suspend in 1m 00s (someone waits)'
+    });
   });
 
   it('speaks of the other kernels of the same user where only they can take it', () => {
