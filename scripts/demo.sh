@@ -12,7 +12,8 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
-"$VENV/bin/python" -m pip install -q -e . jupyterlab
+# The plot extra: `jupyter gpusched simulate --plot` draws its chart in the demo too.
+"$VENV/bin/python" -m pip install -q -e ".[plot]" jupyterlab
 
 # A kernelspec whose kernels get their GPU from the scheduler at their first cell.
 "$VENV/bin/jupyter" gpusched kernelspec install --name python3-gpu --gpus 1 --bind lazy \
