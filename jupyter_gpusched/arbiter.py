@@ -634,7 +634,7 @@ class LocalArbiter(Arbiter):
                 self.publish(ArbiterEvent("notice", notice=_notice("free_cache", lease, lease.reason)))
             elif step in (Step.RESTART, Step.SHUTDOWN):
                 verb = "restarted" if step == Step.RESTART else "shut down"
-                why = f"reclaimed: the kernel was {verb} to free its GPU ({lease.reason})"
+                why = f"reclaimed: the kernel was {verb} to free its GPU: {lease.reason}"
                 done = await self._update(lease, lambda cur, now: core.released(cur, now, why) if still(cur, now) else None)
                 if done is None:
                     return

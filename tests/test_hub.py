@@ -81,7 +81,7 @@ def hub(tmp_path_factory):
     with h:
         h.create_users(["alice", "bob", "carol", "mallory"])
         h.add_to_group("staff", ["bob"])
-        h.start_servers(["alice", "bob", "carol", "admin"])
+        h.start_servers(["alice", "bob", "carol", "admin", "mallory"])
         yield h
         for kernel in h.kernels.values():
             kernel.close()
@@ -125,6 +125,35 @@ def read_events(ws, seconds: float) -> list[dict]:
         except wsclient.WebSocketTimeoutException:
             break
     return out
+
+
+def server_of(hub: Hub, user: str) -> dict:
+    """The user's single-user server as the broker lists it (id, process id)."""
+    return until(
+        lambda: next((s for s in admin_status(hub)["servers"] if s["user"] == user and s["connected"]), None),
+        60, f"{user}'s server to connect", hub,
+    )
+
+
+def server_token(hub: Hub, user: str) -> str:
+    """The API token the hub gave the user's server: the user can read it in her own server."""
+    return psutil.Process(server_of(hub, user)["pid"]).environ()["JUPYTERHUB_API_TOKEN"]
+
+
+def forged_connection(hub: Hub, token: str, headers: list[str]):
+    """A hand-made server connection to the broker; None if the broker refuses it."""
+    import websocket as wsclient
+
+    url = hub.broker_url.replace("http://", "ws://") + "api/gpusched/servers/connect"
+    try:
+        ws = wsclient.create_connection(url, header=[f"Authorization: token {token}", *headers], timeout=10)
+        first = json.loads(ws.recv())
+    except (wsclient.WebSocketException, ConnectionError, ValueError):
+        return None
+    if first.get("type") != "welcome":
+        ws.close()
+        return None
+    return ws
 
 
 def ledger_problems(hub: Hub) -> list[str]:
@@ -331,9 +360,9 @@ def test_hostile_callers_get_clear_errors_and_the_ledger_stays_consistent(hub):
         wsclient.create_connection(ws_url, header=["X-GPUSched-Server: fake"], timeout=10)
     assert err.value.status_code == 403
 
-    # Malformed bodies, each with its own message.
+    # Malformed bodies, each with its own message (sent for mallory's own, connected server).
     mallory = hub.token("mallory")
-    server = {"X-GPUSched-Server": "mallorys-server"}
+    server = {"X-GPUSched-Server": server_of(hub, "mallory")["server_id"]}
     bad = [
         (b"{not json", "not valid JSON"),
         (b"[1, 2]", "must be a JSON object"),
@@ -368,27 +397,30 @@ def test_hostile_callers_get_clear_errors_and_the_ledger_stays_consistent(hub):
     code, body = hub.broker("POST", f"kernels/{hub.kernels['alice'].id}/ended", mallory, {})
     assert code == 404, "mallory cannot end alice's kernel"
 
-    # A hostile "server": it cannot take over alice's kernel or alice's server id.
-    alice_server = next(s["server_id"] for s in admin_status(hub)["servers"] if s["user"] == "alice")
-    ws = wsclient.create_connection(
-        ws_url, header=[f"Authorization: token {mallory}", "X-GPUSched-Server: mallorys-server"], timeout=10
-    )
-    assert json.loads(ws.recv())["type"] == "welcome"
+    # A hostile "server": it cannot connect without naming a process of its own (nor with another
+    # user's server, nor with a made-up id), take over alice's kernel, or take alice's server id.
+    mallory_server = server_of(hub, "mallory")
+    alice_server = server_of(hub, "alice")
+    for headers in (
+        ["X-GPUSched-Server: mallorys-server"],
+        ["X-GPUSched-Server: mallorys-server", f"X-GPUSched-Pid: {alice_server['pid']}"],
+        ["X-GPUSched-Server: mallorys-server", f"X-GPUSched-Pid: {mallory_server['pid']}"],
+        ["X-GPUSched-Server: mallorys-server", "X-GPUSched-Pid: 1"],
+    ):
+        assert not forged_connection(hub, mallory, headers), f"refused: {headers}"
+    ws = forged_connection(hub, server_token(hub, "mallory"), [
+        "X-GPUSched-Server: mallorys-server", f"X-GPUSched-Pid: {mallory_server['pid']}",
+    ])
+    assert ws, "her own server's process, with her server's own token: accepted"
     ws.send(json.dumps({"type": "heartbeat", "kernels": {hub.kernels["alice"].id: {"busy": True, "pid": 1}}}))
     assert "another user" in json.loads(ws.recv())["message"]
     ws.send("not json")
     assert json.loads(ws.recv())["type"] == "error"
     ws.close()
-    ws = wsclient.create_connection(
-        ws_url, header=[f"Authorization: token {mallory}", f"X-GPUSched-Server: {alice_server}"], timeout=10
-    )
-    try:
-        first = ws.recv()
-    except wsclient.WebSocketConnectionClosedException:
-        first = ""
-    assert "welcome" not in (first or ""), "another user's server id is refused"
-    ws.close()
-    assert any(s["server_id"] == alice_server and s["connected"] for s in admin_status(hub)["servers"])
+    assert not forged_connection(hub, server_token(hub, "mallory"), [
+        f"X-GPUSched-Server: {alice_server['server_id']}", f"X-GPUSched-Pid: {mallory_server['pid']}",
+    ]), "another user's server id is refused"
+    assert any(s["server_id"] == alice_server["server_id"] and s["connected"] for s in admin_status(hub)["servers"])
 
     # A flood of claims from one user: the first few wait (or are granted), the rest are refused.
     results = []
@@ -568,4 +600,186 @@ def test_restarting_the_broker_keeps_the_ledger_and_running_kernels_leases(hub):
     out = kb.execute(VISIBLE)
     assert visible(out) == lease["devices"][0]
     assert lease_of(hub, "bob", kb.id)["id"] == lease["id"]
+    assert_ledger_sound(hub)
+
+
+# -- attacks by an ordinary user ----------------------------------------------------------------
+def _sim_held(hub: Hub, table: str, pid: int) -> int:
+    """Bytes of ``pid`` on a simulated GPU (``processes``) or held by a checkpoint (``checkpoints``)."""
+    import sqlite3
+
+    conn = sqlite3.connect(f"file:{hub.sim_state}?mode=ro", uri=True, timeout=10)
+    try:
+        return int(conn.execute(f"SELECT COALESCE(SUM(memory), 0) FROM {table} WHERE pid = ?", (pid,)).fetchone()[0])
+    finally:
+        conn.close()
+
+
+def _gpu_job(hub: Hub, uuid: str) -> subprocess.Popen:
+    """A GPU job outside any kernel (someone's training script): 1 GiB on ``uuid``, then it sleeps."""
+    env = {**os.environ, "JUPYTER_GPUSCHED_SIM_STATE": hub.sim_state, "CUDA_VISIBLE_DEVICES": uuid}
+    job = subprocess.Popen(
+        [sys.executable, "-c", "from jupyter_gpusched.devices import simulated; import time; "
+         "simulated.allocate('1GiB'); print('up', flush=True); time.sleep(300)"],
+        env=env, stdout=subprocess.PIPE, text=True,
+    )
+    assert job.stdout.readline().strip() == "up"
+    return job
+
+
+def _status_latency(hub: Hub, token: str, n: int = 15) -> float:
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        code, _ = hub.broker("GET", "status", token)
+        times.append(time.perf_counter() - start)
+        assert code == 200
+    return sorted(times)[n // 2]
+
+
+def _maximal_heartbeat(tag: str, n_kernels: int = 128, n_pids: int = 200) -> str:
+    return json.dumps({
+        "type": "heartbeat",
+        "kernels": {
+            f"{tag}-{i}": {"busy": True, "pid": 2 + i, "last_busy_at": time.time(),
+                           "pids": list(range(2 + n_pids * i, 2 + n_pids * (i + 1))),
+                           "notebook": "x" * 200}
+            for i in range(n_kernels)
+        },
+    })
+
+
+def test_a_user_cannot_freeze_take_over_or_hide_another_users_gpu_job(hub):
+    """Attacks by mallory, an ordinary hub user who reads her own server's token: a made-up server
+    reporting someone else's GPU job as her kernel, a pid-space flood, a kernel "busy forever",
+    maximal heartbeats from several connections. Each is answered as it should be; the victim's
+    job and leases stay intact, and a checkpointed process whose lease goes is restored."""
+    admin = hub.token("admin")
+    mallory = hub.token("mallory")
+    for lease in admin_status(hub)["leases"]:  # a clean host for this test
+        if lease["state"] != "released":
+            hub.broker("DELETE", f"leases/{lease['id']}", admin)
+    until(lambda: not [le for le in admin_status(hub)["leases"] if le["state"] != "released"], 30, "no leases", hub)
+    uuid0, uuid1 = [d["uuid"] for d in admin_status(hub)["devices"]]
+    victim = _gpu_job(hub, uuid0)
+    mserver = server_of(hub, "mallory")
+    mk = hub.kernels["mallory"] = start_kernel(hub, "mallory")
+    mk_pid = next(p.pid for p in psutil.Process(mserver["pid"]).children() if "ipykernel" in " ".join(p.cmdline()))
+    ws = forged_connection(hub, server_token(hub, "mallory"), [
+        "X-GPUSched-Server: mallory-forged", f"X-GPUSched-Pid: {mserver['pid']}",
+    ])
+    assert ws
+    stop = threading.Event()
+    problems: list[str] = []
+
+    def heartbeats():
+        while not stop.is_set():
+            now = time.time()
+            ws.send(json.dumps({"type": "heartbeat", "kernels": {
+                "bobk": {"pid": victim.pid},
+                "busyk": {"busy": True, "pid": mk_pid, "last_busy_at": now, "started_at": now - 1},
+            }}))
+            stop.wait(1.0)
+
+    def reader():
+        while not stop.is_set():
+            try:
+                problems.append(json.loads(ws.recv()).get("message", ""))
+            except Exception:  # noqa: BLE001 - the socket closes at the end
+                return
+
+    threads = [threading.Thread(target=heartbeats, daemon=True), threading.Thread(target=reader, daemon=True)]
+    for t in threads:
+        t.start()
+    forged = {"X-GPUSched-Server": "mallory-forged"}
+    try:
+        # 1. Her made-up server reports the victim's job as kernel "bobk": the pid is ignored.
+        until(lambda: any("not a process of this server" in p for p in problems), 20, "the pid refused", hub)
+        code, bobk = hub.broker("POST", "leases", mallory, {"kernel_id": "bobk"}, headers=forged)
+        assert code == 201, bobk
+        # 2. "busyk" is her own (sleeping) kernel's process, reported busy every second.
+        code, busyk = hub.broker("POST", "leases", mallory, {"kernel_id": "busyk"}, headers=forged)
+        assert code == 201, busyk
+        until(lambda: hub.broker("GET", f"leases/{busyk['id']}", mallory)[1]["state"] == "idle", 30,
+              "the 'busy forever' lease to count idle: its process never runs", hub)
+        status = admin_status(hub)
+        assert any(p["pid"] == victim.pid for p in status["unleased_processes"]), "the victim's job stays unleased"
+        shown = [p for d in status["devices"] for p in d["processes"] if p["pid"] == victim.pid]
+        assert shown and shown[0]["kernel_id"] is None, "the job is attributed to no kernel"
+        assert hub.broker("GET", f"leases/{bobk['id']}", mallory)[1]["memory_held"] in (0, None)
+        # Someone waits: mallory's idle, borrowed leases are taken back; the victim is untouched.
+        kc = hub.kernels["carol"]
+        out = kc.execute(VISIBLE, timeout=90)
+        assert out["error"] is None and visible(out)
+        kc2 = hub.kernels["carol2"] = start_kernel(hub, "carol")
+        out = kc2.execute(VISIBLE, timeout=90)
+        assert out["error"] is None and visible(out)
+        assert victim.poll() is None and _sim_held(hub, "checkpoints", victim.pid) == 0
+        assert _sim_held(hub, "processes", victim.pid) == 1 << 30, "the job keeps its GPU memory"
+
+        # 3. A pid-space flood: every pid ignored; a new GPU job is still nobody's kernel's.
+        ws.send(_maximal_heartbeat("flood"))
+        victim2 = _gpu_job(hub, uuid1)
+        try:
+            until(lambda: any(p["pid"] == victim2.pid for p in admin_status(hub)["unleased_processes"]), 30,
+                  "a new GPU job to show as unleased", hub)
+        finally:
+            victim2.kill()
+            victim2.wait(10)
+
+        # 4. Maximal heartbeats from three more connections: the broker stays within 2x.
+        broker = hub.broker_process()
+        rss_before = broker.memory_info().rss
+        latency_before = _status_latency(hub, admin)
+        socks = []
+        for n in range(3):
+            sock = forged_connection(hub, server_token(hub, "mallory"), [
+                f"X-GPUSched-Server: mallory-max-{n}", f"X-GPUSched-Pid: {mserver['pid']}",
+            ])
+            assert sock
+            socks.append(sock)
+        for _ in range(5):
+            for n, sock in enumerate(socks):
+                sock.send(_maximal_heartbeat(f"max{n}"))
+        time.sleep(3)
+        rss_during = broker.memory_info().rss
+        latency_during = _status_latency(hub, admin)
+        assert rss_during <= 2 * rss_before, (rss_before, rss_during)
+        assert latency_during <= max(2 * latency_before, latency_before + 0.02), (latency_before, latency_during)
+        too_big = json.dumps({"type": "heartbeat", "kernels": {"k": {"notebook": "x" * 300_000}}})
+        socks[0].send(too_big)
+        for sock in socks:
+            sock.close()
+        until(lambda: not [s for s in admin_status(hub)["servers"] if s["server_id"].startswith("mallory-max")],
+              90, "the silent servers to be forgotten", hub)
+        assert broker.memory_info().rss <= 2 * rss_before
+        assert _status_latency(hub, admin) <= max(2 * latency_before, latency_before + 0.02)
+
+        # 5. A checkpointed process whose lease goes is restored: carol's kernel holds 1 GiB, is
+        # suspended for a waiting claim (her other kernel computes meanwhile), then her suspended
+        # lease is released.
+        spin = kc2.submit(VISIBLE + "\nimport time\nt = time.time()\nwhile time.time() - t < 45: pass")
+        out = kc.execute("from jupyter_gpusched.devices import simulated\nsimulated.allocate('1GiB')", timeout=90)
+        assert out["error"] is None, out
+        until(lambda: (lease_of(hub, "carol", kc2.id) or {}).get("state") == "active", 60, "carol2 computing", hub)
+        kc_lease = lease_of(hub, "carol", kc.id)
+        kc_pid = next(p.pid for p in psutil.Process(server_of(hub, "carol")["pid"]).children()
+                      if _sim_held(hub, "processes", p.pid) == 1 << 30)
+        code, wait = hub.broker("POST", "leases", mallory, {"kernel_id": "waiter"}, headers=forged)
+        assert code in (201, 202), wait
+        until(lambda: (lease_of(hub, "carol", kc.id) or {}).get("state") == "suspended", 60,
+              "carol's idle lease to be checkpointed", hub)
+        assert _sim_held(hub, "checkpoints", kc_pid) == 1 << 30
+        assert hub.server("carol", "DELETE", f"api/gpusched/leases/{kc_lease['id']}")[0] == 204
+        until(lambda: _sim_held(hub, "checkpoints", kc_pid) == 0, 30, "the process to be restored", hub)
+        assert _sim_held(hub, "processes", kc_pid) == 1 << 30, "its GPU memory is back"
+        with Ledger(hub.ledger_path) as ledger:
+            assert ledger.checkpoints() == []
+        assert kc2.result(spin, 90)["error"] is None
+    finally:
+        stop.set()
+        ws.close()
+        victim.kill()
+        victim.wait(10)
+    assert victim.returncode == -signal.SIGKILL, "nobody but this test ended the victim's job"
     assert_ledger_sound(hub)
