@@ -151,7 +151,7 @@ def test_gpu_tour_runs_top_to_bottom(server, tmp_path, jp_asyncio_loop):
     assert "This kernel uses GPU" in _cell_text(first) and seen[0] in _cell_text(first)
 
     # %gpu and %gpu status --all: this kernel's lease and the host's GPUs.
-    assert "This kernel holds GPU" in _cell_text(_find(nb, "%gpu", exact=True))
+    assert "This kernel holds GPU" in _cell_text(_find(nb, "%load_ext jupyter_gpusched\n%gpu", exact=True))
     index = next(d["index"] for d in status["devices"] if d["uuid"] == seen[0])
     table = _cell_text(_find(nb, "%gpu status --all"))
     assert table.startswith(f"This kernel holds GPU {index} "), table
@@ -174,8 +174,8 @@ def test_gpu_tour_runs_top_to_bottom(server, tmp_path, jp_asyncio_loop):
     assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in panel.outputs)
     assert "application/vnd.jupyter.widget-state+json" in nb.metadata.get("widgets", {})
 
-    assert "Released GPU" in _cell_text(_find(nb, "simulated.free()"))
-    block = _cell_text(_find(nb, "with gpu.lease(1)"))
+    assert "Released GPU" in _cell_text(_find(nb, "if holding:"))
+    block = _cell_text(_find(nb, "if gpu.has_scheduler:\n    with gpu.lease(1)"))
     inside = UUID.findall(block.split("after the block")[0])
     assert inside and inside[0] in uuids, block
     assert "after the block: None" in block, block
@@ -183,6 +183,52 @@ def test_gpu_tour_runs_top_to_bottom(server, tmp_path, jp_asyncio_loop):
     # At the end the kernel holds nothing, as the notebook's last cells say.
     mine = [le for le in status["leases"] if le["kernel_id"] == kernel["id"] and le["state"] != "released"]
     assert mine == [], mine
+
+
+# -- without a scheduler -------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kernel_name", [KERNEL, "python3"])
+def test_gpu_tour_runs_headless_where_no_scheduler_serves_the_kernel(server, tmp_path, kernel_name):
+    """``jupyter nbconvert --execute`` starts the kernel itself: no scheduler serves it.
+
+    A server with the extension runs on the host all the same (its runtime files are where the
+    kernel looks): the kernel must not show that server's GPUs as its own. With the GPU
+    kernelspec the provisioner finds no scheduler in nbconvert's process; with a plain ipykernel
+    the tour loads the agent itself.
+    """
+    import nbformat
+
+    env = {
+        **os.environ,
+        "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
+        "JUPYTER_DATA_DIR": str(tmp_path / "data"),
+        "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
+    }
+    out = tmp_path / "headless.ipynb"
+    done = subprocess.run(
+        [sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute",
+         f"--ExecutePreprocessor.kernel_name={kernel_name}", "--ExecutePreprocessor.timeout=90",
+         "--output", str(out), str(EXAMPLE)],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=200,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    nb = nbformat.read(out, as_version=4)
+    code_cells = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(c.get("execution_count") for c in code_cells)
+    assert not [o for c in code_cells for o in c.outputs if o["output_type"] == "error"]
+
+    status = _cell_text(_find(nb, "%load_ext jupyter_gpusched\n%gpu", exact=True))
+    # Said once, with why; the host's GPUs (the other server's) are not listed as this kernel's.
+    assert status.startswith("No GPU scheduler for this kernel, so it has no GPU. No running Jupyter server runs this kernel")
+    everything = "\n".join(_cell_text(c) for c in code_cells)
+    assert everything.count("No running Jupyter server runs this kernel") == 1
+    assert "H100" not in everything and "free" not in everything
+    assert "No GPU scheduler for this kernel, so there is no GPU to keep." in _cell_text(_find(nb, "%gpu keep"))
+    assert "No GPU scheduler serves this kernel" in _cell_text(_find(nb, "from jupyter_gpusched import gpu"))
+    assert "already loaded" not in everything
+    # The scheduler next door gave this kernel nothing.
+    assert server.call("GET", "api/gpusched/status")[1]["leases"] == []
 
 
 # -- binder --------------------------------------------------------------------------------------

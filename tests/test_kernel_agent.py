@@ -453,7 +453,7 @@ def test_discovery_passes_over_a_scheduler_that_does_not_run_this_kernel(server,
         json.dumps({"url": server.url, "token": SERVER_TOKEN, "pid": os.getpid()})
     )
     server.kernels = {"someone-elses-kernel"}
-    with pytest.raises(NoServerError, match="No running Jupyter server knows this kernel"):
+    with pytest.raises(NoServerError, match="No running Jupyter server runs this kernel"):
         Client.discover(kernel_id=KERNEL, runtime_dir=str(tmp_path))
     assert not any(p.startswith("api/gpusched") for _, p, _, _ in server.requests)
 
@@ -479,7 +479,7 @@ def test_without_a_scheduler_every_magic_and_call_says_so_and_none_shows_gpus(sh
     text = shown.joined()
     assert len(shown.texts) == 5 and all(t.startswith("No GPU scheduler for this kernel") for t in shown.texts)
     # Why, and what to do, is said once (the first time), not at every magic.
-    assert text.count("No running Jupyter server knows this kernel") == 1
+    assert text.count("No running Jupyter server runs this kernel") == 1
     assert "there is no GPU to keep" in text and "there is no GPU to release" in text
     assert "H100" not in text and "free" not in text
     result = run(shell, "%gpu acquire")
@@ -489,7 +489,7 @@ def test_without_a_scheduler_every_magic_and_call_says_so_and_none_shows_gpus(sh
 
     assert gpu.has_scheduler is False
     for call in (gpu.status, gpu.acquire, gpu.release, lambda: gpu.keep("10m")):
-        with pytest.raises(NoServerError, match="No running Jupyter server knows this kernel"):
+        with pytest.raises(NoServerError, match="No running Jupyter server runs this kernel"):
             call()
     with pytest.raises(NoServerError), gpu.lease(1):
         pass

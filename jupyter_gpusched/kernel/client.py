@@ -31,6 +31,13 @@ ENV_TOKEN = "JUPYTER_GPUSCHED_TOKEN"
 ENV_KERNEL_ID = "JUPYTER_GPUSCHED_KERNEL_ID"
 
 
+NOT_RUN_BY_A_SERVER = (
+    "No running Jupyter server runs this kernel (nbconvert, nbclient or a console started it, say), "
+    "so no GPU scheduler serves it. Open the notebook in JupyterLab or Jupyter Server with "
+    "jupyter_gpusched enabled to get a GPU."
+)
+
+
 class GPUSchedError(Exception):
     """A request to the GPU scheduler failed; ``message`` says what happened and what to do.
 
@@ -147,10 +154,8 @@ class Client:
                 "JupyterLab or Jupyter Server with jupyter_gpusched enabled."
             )
         if not kernel_id:
-            raise NoServerError(
-                "This kernel's id is unknown (it was not started from a kernel connection file), so "
-                "no Jupyter server's GPU scheduler can serve it."
-            )
+            # Its connection file is not one a server writes (kernel-<id>.json): no server runs it.
+            raise NoServerError(NOT_RUN_BY_A_SERVER)
         owner_without_extension: str | None = None
         for info in servers:
             client = cls(
@@ -180,11 +185,7 @@ class Client:
                 "GPU scheduler extension. Enable it with `jupyter server extension enable "
                 "jupyter_gpusched` and restart the server."
             )
-        raise NoServerError(
-            "No running Jupyter server knows this kernel (it was started by nbconvert, nbclient or a "
-            "console, say), so no GPU scheduler serves it. Open the notebook in JupyterLab or Jupyter "
-            "Server with jupyter_gpusched enabled to get a GPU."
-        )
+        raise NoServerError(NOT_RUN_BY_A_SERVER)
 
     # -- transport ---------------------------------------------------------------------------
     def url(self, path: str, query: Mapping[str, Any] | None = None) -> str:

@@ -198,9 +198,9 @@ def clock_time(at: float, now: float) -> str:
 
 def span(seconds: float) -> str:
     """``60 s``, ``5 min``, ``1 h``, ``1 h 30 min``: a duration in plain words."""
-    seconds = max(0.0, float(seconds))
+    seconds = max(0, round(float(seconds)))
     if seconds < 120:
-        return f"{seconds:.0f} s"
+        return f"{seconds} s"
     minutes = round(seconds / 60)
     if minutes < 60:
         return f"{minutes} min"
