@@ -77,7 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"== capacity (p95 cell delay <= 5 s, no disruption; static allocation needs {trace.static_peak()}) ==")
+    print(
+        "== capacity (p95 cell delay <= 5 s, no disruption; static allocation reserves up to "
+        f"{trace.static_peak()} GPUs at once) =="
+    )
     width = max(len(p) for p in POLICIES)
     for policy, found in report["capacity"].items():
         gpus = "none" if found["gpus"] is None else found["gpus"]

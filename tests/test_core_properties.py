@@ -536,7 +536,8 @@ from jupyter_gpusched.core import idle  # noqa: E402
 
 TIMEOUT_CFG = SchedConfig(idle_timeout=300.0, release_timeout=3600.0)
 spells = st.floats(min_value=idle.MIN_GAP, max_value=100_000.0, allow_nan=False)
-short_spells = st.floats(min_value=idle.MIN_GAP, max_value=300.0 * idle.FLOOR, allow_nan=False)
+# Short: no pause past the earliest early point plus idle_timeout.
+short_spells = st.floats(min_value=idle.MIN_GAP, max_value=300.0 * (1 + idle.FLOOR), allow_nan=False)
 other_kernels = st.lists(st.lists(spells, max_size=12), max_size=40)
 
 
@@ -563,10 +564,10 @@ def test_early_timeouts_come_only_from_a_kernels_own_history_counted_once(own, o
     # The host's history pads the kernel's own; it never counts the kernel's spells a second time.
     assert with_it == idle.timeouts(lease, idle.host_prior(rest), TIMEOUT_CFG)
     # A gentle step before release_timeout, or idle before idle_timeout, only for a kernel that has
-    # itself paused longer than that before.
+    # itself once paused that long and then a further idle_timeout.
     longest = max(own, default=0.0)
     if with_it.keep_after is not None and with_it.keep_after < TIMEOUT_CFG.release_timeout:
-        assert longest > with_it.keep_after
+        assert longest > with_it.keep_after + TIMEOUT_CFG.idle_timeout
     if with_it.idle_after < TIMEOUT_CFG.idle_timeout:
-        assert longest > with_it.idle_after
+        assert longest > with_it.idle_after + TIMEOUT_CFG.idle_timeout
     assert with_it.idle_after <= (with_it.keep_after or float("inf"))

@@ -12,10 +12,10 @@ pauses are long is reclaimed sooner than ``idle_timeout``, and one that reliably
 after ``idle_timeout`` keeps its GPU until after it usually returns.
 
 Two rules keep this from taking a GPU back early on thin evidence. A pause past ``t`` is judged
-long only if the kernel itself has paused past ``t`` before: a kernel whose own pauses are short
-is never judged by other kernels' habits, and "never paused this long" is no evidence that the
-pause will be long. And the host's spells that pad a kernel's history are other kernels' spells:
-a kernel's own spells are never counted twice.
+long only if the kernel itself has once paused past ``t`` for a further ``idle_timeout``: a kernel
+whose own pauses are short is never judged by other kernels' habits, and "never paused this long"
+is no evidence that this pause will be long. And the host's spells that pad a kernel's history are
+other kernels' spells: a kernel's own spells are never counted twice.
 """
 
 from __future__ import annotations
@@ -161,15 +161,16 @@ def _first_long_point(
     """Smallest candidate ``t`` in [start, stop] at which a pause past ``t`` is probably long.
 
     ``samples`` (sorted) is the history the share is read from, ``own`` (sorted) the kernel's own
-    spells: past the longest of those, or with too few spells past ``t`` to judge, nothing is long.
+    spells. Nothing is long where the kernel has never itself paused past ``t + horizon``, or
+    where too few spells lasted past ``t`` to judge.
     """
     n = len(samples)
     longest_own = own[-1] if own else 0.0
     t = start
     while t <= stop + 1e-9:
         beyond_t = n - bisect.bisect_right(samples, t)
-        if beyond_t < MIN_BEYOND or t >= longest_own:
-            return None  # no later candidate has more spells past it
+        if beyond_t < MIN_BEYOND or t + horizon >= longest_own:
+            return None  # no later candidate has more evidence
         beyond_horizon = n - bisect.bisect_right(samples, t + horizon)
         if beyond_horizon / beyond_t >= P_LONG:
             return t
