@@ -827,8 +827,10 @@ class GPUBroker(SchedulingConfig, Application):
         ledger_path = self.resolved_ledger_path()
         os.makedirs(os.path.dirname(ledger_path) or ".", exist_ok=True)
         state_path = self.simulated_state_path or os.path.join(os.path.dirname(ledger_path), "gpusched-simulated.sqlite")
-        backend, note = open_inventory(self.backend, self.simulated_devices, state_path, self.log)
-        self.ledger = Ledger(ledger_path)
+        backend, note = open_inventory(
+            self.backend, self.simulated_devices, state_path, self.log, allow_shared=self.allow_shared_state_files
+        )
+        self.ledger = Ledger(ledger_path, allow_shared=self.allow_shared_state_files)
         self.kernels = RemoteKernels(
             self.broker_id,
             heartbeat_timeout=self.heartbeat_timeout,

@@ -100,10 +100,13 @@ class GPUSchedApp(SchedulingConfig, ExtensionApp):
             state_path = self.simulated_state_path or os.path.join(
                 os.path.dirname(ledger_path), "gpusched-simulated.sqlite"
             )
-            backend, note = open_inventory(self.backend, self.simulated_devices, state_path, self.log)
+            backend, note = open_inventory(
+                self.backend, self.simulated_devices, state_path, self.log,
+                allow_shared=self.allow_shared_state_files,
+            )
             if backend is not None and backend.name == "simulated":
                 reg.sim_state = state_path
-            ledger = Ledger(ledger_path)
+            ledger = Ledger(ledger_path, allow_shared=self.allow_shared_state_files)
             arbiter = LocalArbiter(
                 cfg=self.sched_config(),
                 ledger=ledger,
