@@ -53,8 +53,8 @@ PRIOR_LIMIT = 256
 class Timeouts:
     """When a lease counts idle and when it may be reclaimed without disrupting anyone.
 
-    ``reason`` is empty where both are the configured ones (``idle_timeout``, ``release_timeout``),
-    else it says in plain words what in the kernel's history moved them (a clause without
+    ``reason`` says in plain words why they are what they are: what in the kernel's history moved
+    them, or why they stayed at ``idle_timeout`` and ``release_timeout`` (a clause without
     parentheses, to go inside a longer sentence).
     """
 
@@ -186,10 +186,12 @@ def timeouts(lease: Lease, prior: Sequence[float] | HostPrior, cfg: SchedConfig)
     """
     base_keep = cfg.release_timeout if cfg.release_timeout > 0 else None
     if cfg.policy == "static":
-        return Timeouts(cfg.idle_timeout, None, "")
-    samples = _samples(lease, prior) if cfg.adaptive else []
-    if len(samples) < MIN_SAMPLES or cfg.idle_timeout <= 0:
-        return Timeouts(cfg.idle_timeout, base_keep, "")
+        return Timeouts(cfg.idle_timeout, None, "the static policy holds a lease until its kernel ends")
+    if not cfg.adaptive or cfg.idle_timeout <= 0:
+        return Timeouts(cfg.idle_timeout, base_keep, "the configured timeouts")
+    samples = _samples(lease, prior)
+    if len(samples) < MIN_SAMPLES:
+        return Timeouts(cfg.idle_timeout, base_keep, "too few pauses yet to learn from")
     own = sorted(lease.gaps)
     horizon = cfg.idle_timeout
     early = _first_long_point(samples, own, max(cfg.idle_timeout * FLOOR, 1.0), cfg.idle_timeout / GROWTH, horizon)
@@ -201,7 +203,7 @@ def timeouts(lease: Lease, prior: Sequence[float] | HostPrior, cfg: SchedConfig)
         keep = _first_long_point(samples, own, idle_after, base_keep, horizon)
         if keep is None:
             keep = base_keep
-    reason = ""
+    reason = "this kernel's own pauses have not been long ones"
     if keep is not None and keep < base_keep:
         reason = f"once this kernel pauses for {format_duration(keep)} it usually stays away a while"
     if early is not None:
