@@ -894,6 +894,8 @@ class LocalArbiter(Arbiter):
             kernel_users=kernel_users,
             cfg=self.cfg,
             leases=self.state.leases,
+            caps=self.caps,
+            devices=self._devices(self.state.drained),
         )
 
     def _index_of(self) -> dict[str, int]:
@@ -1003,9 +1005,15 @@ class LocalArbiter(Arbiter):
                 asked = (count, memory, mode)
                 have = (lease.count, lease.memory, lease.mode)
                 if any(a is not None and a != h for a, h in zip(asked, have)):
+                    index = {d.uuid: d.index for d in self.state.snapshot}
+                    held = sorted(index[u] for u in lease.devices if u in index)
+                    label = (
+                        f"GPU{'s' if len(held) > 1 else ''} {', '.join(map(str, held))}" if held
+                        else f"a claim for {lease.count} GPU(s)"
+                    )
                     raise Conflict(
-                        f"kernel {kernel_id} already has lease {lease.id} for {lease.count} GPU(s) "
-                        f"({lease.mode}, {lease.state.value}); release it before asking for a different one"
+                        f"this kernel already holds {label} ({lease.mode}, {lease.state.value}); release it "
+                        "first (`%gpu release`) to ask for a different one"
                     )
                 if lease.state == LeaseState.SUSPENDED:
                     tx.put(core.request_resume(lease, now))

@@ -10,7 +10,7 @@ import datetime as dt
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
-from .core import Lease, LeaseState, SchedConfig
+from .core import Capabilities, Device, Lease, LeaseState, SchedConfig
 from .devices.base import DeviceSnapshot
 
 ANOTHER_USER = "another user"
@@ -52,6 +52,9 @@ class ViewContext:
     #: The scheduling settings and every live lease, for views that look ahead (None: not known).
     cfg: SchedConfig | None = None
     leases: Sequence[Lease] = ()
+    #: What the driver can do (checkpoints) and the host's schedulable devices, for the same views.
+    caps: Capabilities | None = None
+    devices: Sequence[Device] = ()
 
 
 def iso(ts: float | None) -> str | None:

@@ -215,11 +215,6 @@ def test_the_forecast_is_what_the_scheduler_does(
 
 
 # -- through the REST API ------------------------------------------------------------------------
-@pytest.mark.xfail(
-    strict=True,
-    reason="views.ViewContext does not carry the driver's capabilities and the devices yet (arbiter._ctx "
-    "must fill caps= and devices=); remove this mark once it does",
-)
 async def test_the_rest_api_lease_carries_the_forecast_the_scheduler_would_follow(jp_fetch, arbiter, use_clock):
     import json
 
