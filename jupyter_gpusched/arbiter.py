@@ -499,11 +499,12 @@ class LocalArbiter(Arbiter):
             if decision.kind == "grant":
                 waited = now - (old.queued_at if old else lease.queued_at)
                 log.info(
-                    "lease %s of kernel %s (%s) %s after %.1fs: %s",
+                    "lease %s of kernel %s (%s) %s %s after %.1fs in the queue (%s)",
                     lease.id,
                     lease.kernel_id,
                     lease.user,
-                    "restoring" if lease.home else "granted",
+                    "restoring onto" if lease.home else "granted",
+                    _gpus(lease, self.state.snapshot),
                     waited,
                     decision.reason,
                 )
@@ -531,6 +532,10 @@ class LocalArbiter(Arbiter):
                 notice = _notice("queued", lease, lease.reason)
                 if decision.position is not None:
                     notice["position"] = decision.position
+                log.info(
+                    "lease %s of kernel %s (%s) queued at position %s: %s",
+                    lease.id, lease.kernel_id, lease.user, decision.position, lease.reason,
+                )
                 notices.append(notice)
         # A claim written in this pass's transaction is already pending when the core plans, so
         # the plan neither lists it as changed nor decides to queue it: tell viewers here.
@@ -544,6 +549,10 @@ class LocalArbiter(Arbiter):
                 notice = _notice("queued", lease, lease.reason)
                 if lease.id in plan.queue:
                     notice["position"] = plan.queue.index(lease.id) + 1
+                log.info(
+                    "lease %s of kernel %s (%s) queued at position %s: %s",
+                    lease.id, lease.kernel_id, lease.user, notice.get("position"), lease.reason,
+                )
                 notices.append(notice)
         for lease_id in changed:
             lease = plan.lease(lease_id)
