@@ -328,3 +328,12 @@ def pytest_collection_modifyitems(config, items):
 
 
 os.environ.setdefault("JUPYTER_PLATFORM_DIRS", "1")
+
+
+async def live_lease(jp_fetch, kernel_id: str) -> dict:
+    """The one live lease of ``kernel_id``, through the REST API."""
+    code, leases = await api(jp_fetch, "leases", params={"kernel_id": kernel_id})
+    assert code == 200
+    live = [le for le in leases if le["state"] != "released"]
+    assert len(live) == 1, leases
+    return live[0]

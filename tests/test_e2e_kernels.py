@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import api
+from conftest import api, live_lease
 
 pytestmark = pytest.mark.slow
 
@@ -25,12 +25,7 @@ def _visible(out: dict) -> str:
     raise AssertionError(f"no CUDA_VISIBLE_DEVICES printed: {out}")
 
 
-async def _lease_of(jp_fetch, kernel_id: str) -> dict:
-    code, leases = await api(jp_fetch, "leases", params={"kernel_id": kernel_id})
-    assert code == 200
-    live = [le for le in leases if le["state"] != "released"]
-    assert len(live) == 1, leases
-    return live[0]
+_lease_of = live_lease
 
 
 async def _until(predicate, timeout: float = 30.0, what: str = "condition"):

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import api
+from conftest import api, live_lease
 
 pytestmark = pytest.mark.slow
 
@@ -28,12 +28,7 @@ def sched_config(sched_config):
     return sched_config
 
 
-async def _lease_of(jp_fetch, kernel_id: str) -> dict:
-    code, leases = await api(jp_fetch, "leases", params={"kernel_id": kernel_id})
-    assert code == 200
-    live = [le for le in leases if le["state"] != "released"]
-    assert len(live) == 1, leases
-    return live[0]
+_lease_of = live_lease
 
 
 async def _events(ws, until: float) -> list[dict]:
