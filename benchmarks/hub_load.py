@@ -37,13 +37,16 @@ from pathlib import Path
 
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # hub_util: the real JupyterHub the hub tests start
 
 from jupyter_gpusched.arbiter import ArbiterError  # noqa: E402
 from jupyter_gpusched.hub.client import BrokerClient  # noqa: E402
-from jupyter_gpusched.hub.testing import Hub  # noqa: E402
 from jupyter_gpusched.ledger import Ledger  # noqa: E402
 from jupyter_gpusched.views import Principal  # noqa: E402
+
+from hub_util import Hub  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -23,8 +23,9 @@ import psutil
 import pytest
 import requests
 
-from jupyter_gpusched.hub.testing import EXAMPLE, Hub, Kernel, start_kernel
 from jupyter_gpusched.ledger import Ledger
+
+from hub_util import EXAMPLE, Hub, Kernel, start_kernel
 
 pytestmark = [pytest.mark.hub, pytest.mark.slow, pytest.mark.timeout(900)]
 

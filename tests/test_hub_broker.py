@@ -25,9 +25,10 @@ from traitlets.config import Config
 from jupyter_gpusched.arbiter import Forbidden
 from jupyter_gpusched.hub.broker import GPUBroker
 from jupyter_gpusched.hub.client import BrokerClient
-from jupyter_gpusched.hub.testing import free_port
 from jupyter_gpusched.ledger import Ledger
 from jupyter_gpusched.views import Principal
+
+from hub_util import free_port
 
 SCOPE = "access:services!service=gpusched"
 USERS = {

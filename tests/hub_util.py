@@ -4,7 +4,9 @@ The hub loads ``examples/jupyterhub_config.py`` as written, through a small wrap
 what only a test needs: free ports, files in a scratch directory, the dummy authenticator, the
 simple local-process spawner (servers run as the hub's own Unix user, with ``--allow-root``),
 simulated GPUs for the broker (``c.GPUBroker.*``), and an admin service token to drive the hub's
-REST API. It needs ``configurable-http-proxy`` on PATH.
+REST API. It needs ``configurable-http-proxy`` on PATH, and ``requests`` (a test dependency, through
+jupyterhub). The tests import it as ``hub_util`` (pytest puts ``tests/`` on ``sys.path``); the
+benchmarks put ``tests/`` there themselves.
 
     with Hub(tmp_path, broker={"simulated_devices": 2}) as hub:
         hub.create_users(["alice", "bob"])
@@ -29,11 +31,11 @@ from typing import Any, Iterable
 import psutil
 import requests
 
-#: The example configuration, from a checkout (tests and benchmarks run from one).
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "jupyterhub_config.py"
+#: The example configuration of this checkout (tests and benchmarks run from one).
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "jupyterhub_config.py"
 
 _WRAPPER = '''\
-# Written by jupyter_gpusched.hub.testing: the example config as written, plus what a test needs.
+# Written by tests/hub_util.py: the example config as written, plus what a test needs.
 import json
 import os
 
