@@ -29,7 +29,7 @@ from .devices.base import DeviceBackend, DeviceSnapshot, InventoryUnavailable
 from . import procs
 from .ledger import Checkpoint, Ledger, LedgerError, OwnerId, is_alive
 from .reclaim.checkpoint import CheckpointError, Checkpointer, Unavailable
-from .views import Principal, ViewContext, device_json, iso, lease_json, queue_json
+from .api.views import Principal, ViewContext, device_json, iso, lease_json, queue_json
 
 log = logging.getLogger("jupyter_gpusched")
 
@@ -880,7 +880,7 @@ class LocalArbiter(Arbiter):
         return notices
 
     # -- reads -----------------------------------------------------------------------------
-    def _ctx(self) -> ViewContext:
+    def view_context(self) -> ViewContext:
         notebooks = {}
         if self.kernels is not None:
             for lease in self.state.leases:
@@ -918,10 +918,10 @@ class LocalArbiter(Arbiter):
             )
 
     def render_lease(self, lease: Lease, who: Principal, ctx: ViewContext | None = None) -> dict:
-        return lease_json(lease, self._viewer(who), ctx or self._ctx(), self._index_of())
+        return lease_json(lease, self._viewer(who), ctx or self.view_context(), self._index_of())
 
     def render_device(self, device: DeviceSnapshot, who: Principal, ctx: ViewContext | None = None) -> dict:
-        return device_json(device, self.state.leases, self._viewer(who), ctx or self._ctx())
+        return device_json(device, self.state.leases, self._viewer(who), ctx or self.view_context())
 
     def _viewer(self, who: Principal) -> Principal:
         if who.show_holders == self.show_holders:
@@ -929,7 +929,7 @@ class LocalArbiter(Arbiter):
         return replace(who, show_holders=self.show_holders)
 
     async def status(self, who: Principal) -> dict:
-        ctx = self._ctx()
+        ctx = self.view_context()
         by_id = {lease.id: lease for lease in self.state.leases}
         queue = [by_id[lid] for lid in self.state.queue if lid in by_id]
         viewer = self._viewer(who)
@@ -958,11 +958,11 @@ class LocalArbiter(Arbiter):
         }
 
     async def devices(self, who: Principal) -> list[dict]:
-        ctx = self._ctx()
+        ctx = self.view_context()
         return [self.render_device(d, who, ctx) for d in self.state.snapshot]
 
     async def leases(self, who: Principal, kernel_id: str | None = None) -> list[dict]:
-        ctx = self._ctx()
+        ctx = self.view_context()
         viewer = self._viewer(who)
         out = []
         for lease in self.state.leases:
@@ -1144,6 +1144,24 @@ class LocalArbiter(Arbiter):
         if done is not None and lease.keep_until is not None:
             self.publish(ArbiterEvent("notice", notice=_notice("kept", lease, f"Kept for {core.format_duration(seconds)}")))
         return self.render_lease(lease, who)
+
+    async def cache_freed(self, who: Principal, lease_id: str, frameworks: tuple[str, ...]) -> dict:
+        """The kernel dropped its framework caches, as the ``free-cache`` step asked."""
+        lease = self._own(who, lease_id)
+        if lease.state != LeaseState.RECLAIMING or lease.reclaim_step != Step.FREE_CACHE:
+            raise Conflict(f"lease {lease_id} is not asked to free its caches (it is {lease.state.value})")
+        self._cache_asked.pop(lease.id, None)
+        why = (
+            f"framework caches dropped ({', '.join(frameworks)})" if frameworks
+            else "the kernel had no framework cache to drop"
+        )
+        log.info("lease %s of kernel %s: %s", lease.id, lease.kernel_id, why)
+        done = await self._update(
+            lease,
+            lambda cur, now: core.step_done(cur, Step.FREE_CACHE, why)
+            if cur.state == LeaseState.RECLAIMING and cur.reclaim_step == Step.FREE_CACHE else None,
+        )
+        return self.render_lease(done or self._find(lease_id), who)
 
     async def drain(self, who: Principal, uuid: str, drained: bool, reason: str = "") -> dict:
         if not who.admin:

@@ -110,7 +110,7 @@ class GPUSchedProvisioner(LocalProvisioner):  # type: ignore[misc]
     async def _devices_for_launch(self, reg) -> tuple[str, ...]:
         """GPUs to start the kernel with: its kept lease after a restart, or a fresh grant."""
         from .arbiter import ArbiterError
-        from .views import Principal
+        from .api.views import Principal
 
         lease = await reg.arbiter.lease_for_kernel(self.kernel_id)
         if lease is not None:

@@ -219,7 +219,7 @@ async def test_the_rest_api_lease_carries_the_forecast_the_scheduler_would_follo
     import json
 
     from conftest import api
-    from jupyter_gpusched.views import iso
+    from jupyter_gpusched.api.views import iso
 
     kernels = []
     for _ in range(3):

@@ -34,7 +34,7 @@ from ..arbiter import (
     NotFound,
 )
 from ..core import Lease, LeaseState
-from ..views import Principal
+from ..api.views import Principal
 
 KERNEL_HEADER = "X-GPUSched-Kernel"
 SERVER_HEADER = "X-GPUSched-Server"
@@ -436,6 +436,10 @@ class BrokerClient(Arbiter):
     async def keep(self, who: Principal, lease_id: str, seconds: float) -> dict:
         path = f"leases/{urllib.parse.quote(lease_id, safe='')}/keep"
         return (await self.call("POST", path, who, body={"seconds": seconds}))[1]
+
+    async def cache_freed(self, who: Principal, lease_id: str, frameworks: tuple[str, ...]) -> dict:
+        path = f"leases/{urllib.parse.quote(lease_id, safe='')}/freed"
+        return (await self.call("POST", path, who, body={"frameworks": list(frameworks)}))[1]
 
     async def drain(self, who: Principal, uuid: str, drained: bool, reason: str = "") -> dict:
         path = f"devices/{urllib.parse.quote(uuid, safe='')}/{'drain' if drained else 'undrain'}"

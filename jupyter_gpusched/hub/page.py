@@ -21,7 +21,7 @@ from jupyterhub.services.auth import HubOAuthCallbackHandler, HubOAuthenticated,
 from tornado import web
 
 from ..core import format_bytes
-from ..views import Principal
+from ..api.views import Principal
 
 REFRESH_SECONDS = 5
 #: The pages have no script and load nothing; only their inline style is allowed.

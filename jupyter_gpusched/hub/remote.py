@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable, Mapping, Protocol
 import psutil
 
 from .. import procs
-from ..api_input import ID_PATTERN
+from ..api.input import ID_PATTERN
 
 log = logging.getLogger("jupyter_gpusched.broker")
 

@@ -10,8 +10,9 @@ import datetime as dt
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
-from .core import Capabilities, Device, Lease, LeaseState, SchedConfig
-from .devices.base import DeviceSnapshot
+from ..core import Capabilities, Device, Lease, LeaseState, SchedConfig
+from ..core.forecast import forecast
+from ..devices.base import DeviceSnapshot
 
 ANOTHER_USER = "another user"
 
@@ -78,12 +79,8 @@ def lease_json(
     # them forecasts as for a host without checkpoint support.
     idle_forecast = None
     if ctx.cfg is not None and lease.holding:
-        from .core import Capabilities
-        from .core.forecast import forecast
-
-        caps = getattr(ctx, "caps", None) or Capabilities()
-        devices = getattr(ctx, "devices", None) or ()
-        found = forecast(lease, ctx.leases or (lease,), ctx.now, ctx.cfg, caps, devices)
+        caps = ctx.caps or Capabilities()
+        found = forecast(lease, ctx.leases or (lease,), ctx.now, ctx.cfg, caps, ctx.devices)
         if found is not None:
             idle_forecast = {
                 "step": found.step.value if found.step is not None else None,

@@ -257,6 +257,27 @@ def openapi_document() -> dict:
                     "responses": {"200": _resp("Lease", _LEASE), **_ERRORS},
                 },
             },
+            "/api/gpusched/leases/{lease_id}/freed": {
+                "parameters": [lease_id],
+                "post": {
+                    "summary": "The kernel dropped its framework caches, as a free-cache reclaim step asked",
+                    "requestBody": {
+                        "required": True,
+                        "content": {
+                            "application/json": {
+                                "schema": {
+                                    "type": "object",
+                                    "properties": {
+                                        "frameworks": {"type": "array", "maxItems": 16, "items": {"type": "string"}}
+                                    },
+                                    "additionalProperties": False,
+                                }
+                            }
+                        },
+                    },
+                    "responses": {"200": _resp("Lease", _LEASE), **_ERRORS},
+                },
+            },
             "/api/gpusched/devices/{uuid}/drain": {
                 "parameters": [uuid],
                 "post": {

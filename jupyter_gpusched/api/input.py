@@ -14,8 +14,8 @@ import re
 from dataclasses import dataclass
 from typing import Iterator
 
-from .core import SchedulingError, parse_duration, parse_memory
-from .core.units import QUOTE_LIMIT, quote
+from ..core import SchedulingError, parse_duration, parse_memory
+from ..core.units import QUOTE_LIMIT, quote
 
 #: Kernel ids, lease ids: what jupyter_server and we generate, and nothing that needs escaping.
 ID_PATTERN = re.compile(r"^[A-Za-z0-9_\-]{1,128}$")
@@ -185,3 +185,21 @@ def reason(data: dict) -> str:
     if not isinstance(value, str) or len(value) > 500:
         raise InputError("reason must be a string of at most 500 characters")
     return value
+
+
+#: The most framework names an acknowledgement of a free-cache step may list.
+MAX_FRAMEWORKS = 16
+
+
+def frameworks(data: dict) -> tuple[str, ...]:
+    """The frameworks whose caches a kernel dropped (``{"frameworks": ["torch"]}``), possibly none."""
+    value = data.get("frameworks", [])
+    if not isinstance(value, list) or len(value) > MAX_FRAMEWORKS:
+        raise InputError(f"frameworks must be a list of at most {MAX_FRAMEWORKS} names, not {_show(value)}")
+    for name in value:
+        if not isinstance(name, str) or not 0 < len(name) <= 64:
+            raise InputError(f"frameworks must hold names of 1 to 64 characters, not {_show(name)}")
+    unknown = set(data) - {"frameworks"}
+    if unknown:
+        raise InputError(f"unknown field(s) {', '.join(sorted(map(_show, unknown)))}; only frameworks is accepted")
+    return tuple(value)

@@ -1,0 +1,154 @@
+"""The REST API's handlers, written once (DESIGN section 8).
+
+Each handler here is a mixin. :func:`api_handlers` joins every one with a base class that says
+who is asking and what answers them:
+
+- ``scheduler``: the object with the :class:`~jupyter_gpusched.arbiter.Arbiter` calls (status,
+  claim, release, ...): the server's arbiter, or the broker's service.
+- ``async principal(action)``: the caller as a :class:`~jupyter_gpusched.api.views.Principal`, or
+  an ``HTTPError(403)``; ``action`` is ``read`` or ``write``.
+- ``lease_url(lease_id)``: the URL of a lease, for the ``Location`` of a 201.
+- ``write_error``: errors as ``{"message", "reason"}``.
+
+The server's base (``server/handlers.py``) authenticates through jupyter_server and the kernels'
+tokens; the broker's (``hub/handlers.py``) through the hub. Nothing else differs.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Awaitable, Callable
+
+from tornado import web
+
+from . import input as api_input
+from . import routes
+from .input import bad_input
+from .openapi import openapi_document
+from .views import Principal
+
+
+class APIMixin:
+    """JSON in and out; arbiter errors become HTTP errors with the arbiter's message."""
+
+    scheduler: Any
+    request: Any
+
+    # The base class provides ``principal(action)`` and ``lease_url(lease_id)`` (see above).
+    principal: Callable[[str], Awaitable[Principal]]
+    lease_url: Callable[[str], str]
+
+    async def run(self, action: str, fn: Callable[[Principal], Awaitable[Any]]) -> Any:
+        from ..arbiter import ArbiterError
+
+        who = await self.principal(action)
+        try:
+            return await fn(who)
+        except ArbiterError as exc:
+            raise web.HTTPError(exc.status, exc.message.replace("%", "%%"), reason=exc.reason) from None
+
+    def body(self) -> dict:
+        """The JSON body as an object; 400 with a clear message otherwise."""
+        with bad_input():
+            return api_input.json_object(self.request.body)
+
+    def reply(self, data: Any, status: int = 200) -> None:
+        self.set_status(status)  # type: ignore[attr-defined]
+        self.set_header("Content-Type", "application/json")  # type: ignore[attr-defined]
+        self.finish(json.dumps(data))  # type: ignore[attr-defined]
+
+
+class StatusAPI(APIMixin):
+    async def get(self) -> None:
+        self.reply(await self.run("read", self.scheduler.status))
+
+
+class DevicesAPI(APIMixin):
+    async def get(self) -> None:
+        self.reply(await self.run("read", self.scheduler.devices))
+
+
+class LeasesAPI(APIMixin):
+    async def get(self) -> None:
+        kernel_id = self.get_argument("kernel_id", None)  # type: ignore[attr-defined]
+
+        async def fn(who: Principal):
+            if who.kernel_id is not None and kernel_id not in (None, who.kernel_id):
+                raise web.HTTPError(403, "a kernel's token can only list that kernel's own lease")
+            return await self.scheduler.leases(who, kernel_id or who.kernel_id)
+
+        self.reply(await self.run("read", fn))
+
+    async def post(self) -> None:
+        with bad_input():
+            req = api_input.claim(self.body())
+
+        async def fn(who: Principal):
+            return await self.scheduler.claim(who, req.kernel_id, req.count, req.memory, req.mode, req.priority, req.wait)
+
+        result = await self.run("write", fn)
+        if result.status == 201:
+            self.set_header("Location", self.lease_url(result.lease["id"]))  # type: ignore[attr-defined]
+        self.reply(result.lease, result.status)
+
+
+class LeaseAPI(APIMixin):
+    async def get(self, lease_id: str) -> None:
+        self.reply(await self.run("read", lambda who: self.scheduler.lease(who, lease_id)))
+
+    async def delete(self, lease_id: str) -> None:
+        await self.run("write", lambda who: self.scheduler.release(who, lease_id))
+        self.set_status(204)  # type: ignore[attr-defined]
+        self.finish()  # type: ignore[attr-defined]
+
+
+class KeepAPI(APIMixin):
+    async def post(self, lease_id: str) -> None:
+        with bad_input():
+            seconds = api_input.keep_seconds(self.body())
+        self.reply(await self.run("write", lambda who: self.scheduler.keep(who, lease_id, seconds)))
+
+
+class FreedAPI(APIMixin):
+    """``POST .../leases/{id}/freed``: the kernel dropped its framework caches, as it was asked."""
+
+    async def post(self, lease_id: str) -> None:
+        with bad_input():
+            frameworks = api_input.frameworks(self.body())
+        self.reply(await self.run("write", lambda who: self.scheduler.cache_freed(who, lease_id, frameworks)))
+
+
+class DrainAPI(APIMixin):
+    async def post(self, uuid: str, action: str) -> None:
+        with bad_input():
+            reason = api_input.reason(self.body())
+        drained = action == "drain"
+        self.reply(await self.run("write", lambda who: self.scheduler.drain(who, uuid, drained, reason)))
+
+
+class OpenAPIDocument(APIMixin):
+    async def get(self) -> None:
+        await self.principal("read")
+        self.reply(openapi_document())
+
+
+#: Every REST route both the server and the broker serve, with its handler mixin.
+API_ROUTES: tuple[tuple[str, type], ...] = (
+    (routes.STATUS, StatusAPI),
+    (routes.DEVICES, DevicesAPI),
+    (routes.DRAIN, DrainAPI),
+    (routes.LEASES, LeasesAPI),
+    (routes.LEASE, LeaseAPI),
+    (routes.KEEP, KeepAPI),
+    (routes.FREED, FreedAPI),
+    (routes.OPENAPI, OpenAPIDocument),
+)
+
+
+def api_handlers(base: type, prefix: str, **kwargs: Any) -> list[tuple]:
+    """The REST routes under ``prefix`` (ending in ``api/gpusched``), each handler on ``base``."""
+    out: list[tuple] = []
+    for pattern, mixin in API_ROUTES:
+        cls = type(mixin.__name__ + "Handler", (mixin, base), {"__module__": base.__module__})
+        out.append((prefix + pattern, cls, kwargs) if kwargs else (prefix + pattern, cls))
+    return out
