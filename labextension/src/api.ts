@@ -15,12 +15,7 @@ export type DeviceHealth = 'ok' | 'lost' | 'drained';
 
 /** Lifecycle state of a lease (DESIGN.md section 4). */
 export type LeaseState =
-  | 'pending'
-  | 'active'
-  | 'idle'
-  | 'reclaiming'
-  | 'suspended'
-  | 'released';
+  'pending' | 'active' | 'idle' | 'reclaiming' | 'suspended' | 'released';
 
 /** How a lease uses its devices. */
 export type LeaseMode = 'exclusive' | 'shared';
@@ -262,7 +257,8 @@ export interface INoticeEvent {
 }
 
 /** A message of `GET /api/gpusched/events`, normalized by `parseEvent`. */
-export type GPUSchedEvent = ISnapshotEvent | ILeaseEvent | IDeviceEvent | INoticeEvent;
+export type GPUSchedEvent =
+  ISnapshotEvent | ILeaseEvent | IDeviceEvent | INoticeEvent;
 
 /** Body of an error response. */
 export interface IErrorPayload {
@@ -406,7 +402,11 @@ export function parseEvent(data: unknown): GPUSchedEvent | null {
 /** Parse a status payload (from REST), or throw if it is not one. */
 export function parseStatus(value: unknown): IStatusPayload {
   if (!isStatusPayload(value)) {
-    throw new GPUSchedError('The server sent a malformed GPU status.', 0, 'malformed');
+    throw new GPUSchedError(
+      'The server sent a malformed GPU status.',
+      0,
+      'malformed'
+    );
   }
   return value;
 }
@@ -506,7 +506,11 @@ export class GPUSchedClient implements IGPUSchedClient {
   ) {}
 
   async getStatus(): Promise<IStatusPayload> {
-    const body = await requestAPI<unknown>('status', { method: 'GET' }, this.serverSettings);
+    const body = await requestAPI<unknown>(
+      'status',
+      { method: 'GET' },
+      this.serverSettings
+    );
     return parseStatus(body);
   }
 
@@ -518,7 +522,10 @@ export class GPUSchedClient implements IGPUSchedClient {
     );
   }
 
-  async keepLease(leaseId: string, seconds: number): Promise<LeaseUpdate | null> {
+  async keepLease(
+    leaseId: string,
+    seconds: number
+  ): Promise<LeaseUpdate | null> {
     const body = await requestAPI<unknown>(
       `leases/${encodeURIComponent(leaseId)}/keep`,
       { method: 'POST', body: JSON.stringify({ seconds }) },

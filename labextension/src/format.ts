@@ -30,7 +30,10 @@ function inUnit(bytes: number, unit: number, digits: number): string {
 }
 
 /** `85899345920` -> `"80.0 GiB"`; `null` -> `"n/a"`. Binary units. */
-export function formatBytes(bytes: number | null | undefined, digits = 1): string {
+export function formatBytes(
+  bytes: number | null | undefined,
+  digits = 1
+): string {
   if (bytes === null || bytes === undefined || !Number.isFinite(bytes)) {
     return UNKNOWN;
   }
@@ -56,7 +59,10 @@ export function formatMemory(
 }
 
 /** `42.4` -> `"42%"`, clamped to 0-100; `null` -> `"n/a"`. */
-export function formatPercent(value: number | null | undefined, digits = 0): string {
+export function formatPercent(
+  value: number | null | undefined,
+  digits = 0
+): string {
   if (value === null || value === undefined || !Number.isFinite(value)) {
     return UNKNOWN;
   }
@@ -155,13 +161,19 @@ export function parseTime(iso: string | null | undefined): number | null {
 }
 
 /** Seconds from `nowMs` until `iso` (negative once past), or `null`. */
-export function secondsUntil(iso: string | null | undefined, nowMs: number): number | null {
+export function secondsUntil(
+  iso: string | null | undefined,
+  nowMs: number
+): number | null {
   const ms = parseTime(iso);
   return ms === null ? null : (ms - nowMs) / 1000;
 }
 
 /** Seconds from `iso` until `nowMs`, or `null`. */
-export function secondsSince(iso: string | null | undefined, nowMs: number): number | null {
+export function secondsSince(
+  iso: string | null | undefined,
+  nowMs: number
+): number | null {
   const ms = parseTime(iso);
   return ms === null ? null : (nowMs - ms) / 1000;
 }
@@ -178,7 +190,11 @@ export function shortDeviceName(name: string): string {
 }
 
 /** States in which a lease holds devices. */
-export const HOLDING_STATES: ReadonlyArray<LeaseState> = ['active', 'idle', 'reclaiming'];
+export const HOLDING_STATES: ReadonlyArray<LeaseState> = [
+  'active',
+  'idle',
+  'reclaiming'
+];
 
 /** Whether a lease in `state` holds devices. */
 export function isHolding(state: LeaseState): boolean {
@@ -222,7 +238,8 @@ export function leaseOfKernel(
       continue;
     }
     const rank = stateRank(lease.state) - stateRank(best.state);
-    const newer = (parseTime(lease.granted_at) ?? 0) > (parseTime(best.granted_at) ?? 0);
+    const newer =
+      (parseTime(lease.granted_at) ?? 0) > (parseTime(best.granted_at) ?? 0);
     if (rank > 0 || (rank === 0 && newer)) {
       best = lease;
     }
@@ -231,7 +248,10 @@ export function leaseOfKernel(
 }
 
 /** The devices a lease names, in index order (unknown UUIDs are skipped). */
-export function devicesOfLease(status: IStatus | null, lease: ILease): IDevice[] {
+export function devicesOfLease(
+  status: IStatus | null,
+  lease: ILease
+): IDevice[] {
   if (!status) {
     return [];
   }
@@ -241,7 +261,10 @@ export function devicesOfLease(status: IStatus | null, lease: ILease): IDevice[]
 }
 
 /** Device indices of a lease: from the lease, else from its devices. */
-export function deviceIndicesOf(status: IStatus | null, lease: ILease): number[] {
+export function deviceIndicesOf(
+  status: IStatus | null,
+  lease: ILease
+): number[] {
   if (lease.device_indices && lease.device_indices.length > 0) {
     return [...lease.device_indices].sort((a, b) => a - b);
   }
@@ -249,14 +272,18 @@ export function deviceIndicesOf(status: IStatus | null, lease: ILease): number[]
 }
 
 /** The leases that hold a device now (by the lease's devices or the device's lease ids). */
-export function holdersOfDevice(status: IStatus | null, device: IDevice): ILease[] {
+export function holdersOfDevice(
+  status: IStatus | null,
+  device: IDevice
+): ILease[] {
   if (!status) {
     return [];
   }
   return status.leases.filter(
     lease =>
       isHolding(lease.state) &&
-      (lease.devices.indexOf(device.uuid) >= 0 || device.lease_ids.indexOf(lease.id) >= 0)
+      (lease.devices.indexOf(device.uuid) >= 0 ||
+        device.lease_ids.indexOf(lease.id) >= 0)
   );
 }
 
@@ -266,7 +293,10 @@ export function unleasedProcesses(device: IDevice): IDevice['processes'] {
 }
 
 /** 1-based queue position of a pending lease, from the queue or the lease; else `null`. */
-export function queuePosition(status: IStatus | null, lease: ILease): number | null {
+export function queuePosition(
+  status: IStatus | null,
+  lease: ILease
+): number | null {
   if (lease.state !== 'pending') {
     return null;
   }
@@ -287,7 +317,10 @@ export interface ILeaseMemory {
 }
 
 /** Memory used and granted for a lease, summed over its devices. */
-export function leaseMemory(status: IStatus | null, lease: ILease): ILeaseMemory {
+export function leaseMemory(
+  status: IStatus | null,
+  lease: ILease
+): ILeaseMemory {
   const devices = devicesOfLease(status, lease);
   if (devices.length === 0) {
     return { used: null, total: null };
@@ -298,11 +331,16 @@ export function leaseMemory(status: IStatus | null, lease: ILease): ILeaseMemory
   for (const device of devices) {
     total += lease.memory ?? device.memory_total;
     const own = lease.kernel_id
-      ? (device.processes ?? []).filter(process => process.kernel_id === lease.kernel_id)
+      ? (device.processes ?? []).filter(
+          process => process.kernel_id === lease.kernel_id
+        )
       : [];
     const ownKnown = own.filter(process => process.memory_used !== null);
     if (ownKnown.length > 0) {
-      used += ownKnown.reduce((sum, process) => sum + (process.memory_used ?? 0), 0);
+      used += ownKnown.reduce(
+        (sum, process) => sum + (process.memory_used ?? 0),
+        0
+      );
     } else if (lease.mode === 'exclusive' && device.memory_used !== null) {
       used += device.memory_used;
     } else {
@@ -358,7 +396,10 @@ export function kernelLabel(kernelId: string | null | undefined): string {
 /**
  * How long a "Keep" keeps: what is wanted, within the server's `max_keep` when it says.
  */
-export function effectiveKeepSeconds(status: IStatus | null, wanted: number): number {
+export function effectiveKeepSeconds(
+  status: IStatus | null,
+  wanted: number
+): number {
   const max = status?.config?.max_keep;
   return typeof max === 'number' && max > 0 ? Math.min(wanted, max) : wanted;
 }
@@ -462,9 +503,10 @@ export function idleOutlook(
     return {
       short: null,
       brief: 'If idle: kept until released',
-      sentence: kept !== null
-        ? `Kept: not taken back while idle for ${formatDuration(kept)}.`
-        : 'Not taken back while idle; it stays until released.',
+      sentence:
+        kept !== null
+          ? `Kept: not taken back while idle for ${formatDuration(kept)}.`
+          : 'Not taken back while idle; it stays until released.',
       seconds: null
     };
   }
@@ -480,12 +522,21 @@ export function idleOutlook(
       parts.push(`, or ${when(contended)} if ${waiter}`);
     }
   } else if (contended !== null) {
-    parts.push(`If this kernel stays idle while ${waiter}, ${effect} ${when(contended)}`);
+    parts.push(
+      `If this kernel stays idle while ${waiter}, ${effect} ${when(contended)}`
+    );
   }
   const sentence = `${parts.join('')}.`;
-  const someone = forecast.contended_by === 'same_user' ? 'another kernel of yours' : 'someone';
+  const someone =
+    forecast.contended_by === 'same_user'
+      ? 'another kernel of yours'
+      : 'someone';
   let brief: string;
-  if (someoneWaits && contended !== null && (alone === null || contended < alone)) {
+  if (
+    someoneWaits &&
+    contended !== null &&
+    (alone === null || contended < alone)
+  ) {
     // Someone waits now: the sooner time is the one that applies.
     brief = `If idle: ${verb} ${when(contended)} (${someone} waits)`;
   } else if (alone !== null) {
@@ -501,7 +552,12 @@ export function idleOutlook(
   );
   const seconds = candidates.length > 0 ? Math.min(...candidates) : null;
   return {
-    short: seconds === null ? null : seconds <= 0 ? `${verb} now` : `${verb} in ${formatDuration(seconds)}`,
+    short:
+      seconds === null
+        ? null
+        : seconds <= 0
+          ? `${verb} now`
+          : `${verb} in ${formatDuration(seconds)}`,
     brief,
     sentence,
     seconds
@@ -513,11 +569,18 @@ export function idleOutlook(
  * default): the kernel asks for its GPU when its first cell runs.
  */
 export function bindsLazily(metadata: unknown): boolean {
-  const provisioner = isRecord(metadata) ? metadata.kernel_provisioner : undefined;
-  if (!isRecord(provisioner) || provisioner.provisioner_name !== 'gpusched-provisioner') {
+  const provisioner = isRecord(metadata)
+    ? metadata.kernel_provisioner
+    : undefined;
+  if (
+    !isRecord(provisioner) ||
+    provisioner.provisioner_name !== 'gpusched-provisioner'
+  ) {
     return false;
   }
-  const bind = isRecord(provisioner.config) ? provisioner.config.bind : undefined;
+  const bind = isRecord(provisioner.config)
+    ? provisioner.config.bind
+    : undefined;
   return bind === undefined || bind === 'lazy';
 }
 
@@ -561,11 +624,16 @@ export function summarizeKernel(
         state: 'unavailable'
       };
     }
-    return { text: 'GPU: …', description: 'Loading GPU status', state: 'loading' };
+    return {
+      text: 'GPU: …',
+      description: 'Loading GPU status',
+      state: 'loading'
+    };
   }
   if (!lease) {
     const free = status.devices.filter(
-      device => device.health === 'ok' && holdersOfDevice(status, device).length === 0
+      device =>
+        device.health === 'ok' && holdersOfDevice(status, device).length === 0
     ).length;
     const host = `${free} of ${status.devices.length} free on this host`;
     if (binding.lazy) {
@@ -602,12 +670,18 @@ export function summarizeKernel(
     };
   }
   if (lease.state === 'released') {
-    return { text: 'GPU: none', description: 'This kernel holds no GPU.', state: 'none' };
+    return {
+      text: 'GPU: none',
+      description: 'This kernel holds no GPU.',
+      state: 'none'
+    };
   }
 
   const devices = devicesOfLease(status, lease);
   const indices = deviceIndicesOf(status, lease);
-  const names = Array.from(new Set(devices.map(device => shortDeviceName(device.name))));
+  const names = Array.from(
+    new Set(devices.map(device => shortDeviceName(device.name)))
+  );
   const head = `${formatDeviceIndices(indices)}${names.length > 0 ? `: ${names.join(', ')}` : ''}`;
   const parts = [head];
   const details = [`${head}, lease ${stateLabel(lease.state)}`];
@@ -620,7 +694,9 @@ export function summarizeKernel(
 
   if (reclaimIn !== null) {
     parts.push(`reclaim in ${formatCountdown(reclaimIn)}`);
-    details.push(`reclaimed in ${formatCountdown(reclaimIn)} unless kept or used`);
+    details.push(
+      `reclaimed in ${formatCountdown(reclaimIn)} unless kept or used`
+    );
   } else {
     parts.push(formatMemory(memory.used, memory.total));
     if (idle !== null) {

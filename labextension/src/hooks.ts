@@ -6,7 +6,11 @@ import type { GPUSchedModel } from './model';
  * The current time on the server's clock, re-read every `intervalMs` while `ticking` (for
  * countdowns); when not ticking, the time of the render.
  */
-export function useNow(model: GPUSchedModel, ticking: boolean, intervalMs = 1000): number {
+export function useNow(
+  model: GPUSchedModel,
+  ticking: boolean,
+  intervalMs = 1000
+): number {
   const [now, setNow] = React.useState<number>(() => model.now());
   React.useEffect(() => {
     if (!ticking) {

@@ -4,7 +4,11 @@ import {
   JupyterFrontEnd,
   JupyterFrontEndPlugin
 } from '@jupyterlab/application';
-import { ICommandPalette, ISessionContext, Notification } from '@jupyterlab/apputils';
+import {
+  ICommandPalette,
+  ISessionContext,
+  Notification
+} from '@jupyterlab/apputils';
 import { KernelSpec, Session } from '@jupyterlab/services';
 import { ISettingRegistry } from '@jupyterlab/settingregistry';
 import { IStatusBar } from '@jupyterlab/statusbar';
@@ -45,7 +49,8 @@ function sessionContextOf(widget: Widget | null): ISessionContext | null {
   if (!widget || !('sessionContext' in widget)) {
     return null;
   }
-  const context: unknown = (widget as { sessionContext?: unknown }).sessionContext;
+  const context: unknown = (widget as { sessionContext?: unknown })
+    .sessionContext;
   if (
     typeof context === 'object' &&
     context !== null &&
@@ -87,7 +92,13 @@ const plugin: JupyterFrontEndPlugin<void> = {
   description:
     'GPU scheduling in JupyterLab: who holds which GPU, the queue, reclaim countdowns and notifications.',
   autoStart: true,
-  optional: [ILabShell, IStatusBar, ISettingRegistry, ILayoutRestorer, ICommandPalette],
+  optional: [
+    ILabShell,
+    IStatusBar,
+    ISettingRegistry,
+    ILayoutRestorer,
+    ICommandPalette
+  ],
   activate: (
     app: JupyterFrontEnd,
     labShell: ILabShell | null,

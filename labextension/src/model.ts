@@ -40,7 +40,8 @@ export function normalizeQueue(
 ): IQueueEntry[] {
   const entries: IQueueEntry[] = [];
   raw.forEach((item, index) => {
-    const payload: IQueueEntryPayload = typeof item === 'string' ? { lease_id: item } : item;
+    const payload: IQueueEntryPayload =
+      typeof item === 'string' ? { lease_id: item } : item;
     const leaseId = payload.lease_id ?? payload.id;
     if (!leaseId) {
       return;
@@ -85,7 +86,9 @@ function byIndex(a: IDevice, b: IDevice): number {
 
 /** The status as the model keeps it: devices in index order, released leases dropped. */
 export function normalizeStatus(payload: IStatusPayload): IStatus {
-  const leases = (payload.leases ?? []).filter(lease => lease.state !== 'released');
+  const leases = (payload.leases ?? []).filter(
+    lease => lease.state !== 'released'
+  );
   return {
     ...payload,
     devices: [...(payload.devices ?? [])].sort(byIndex),
@@ -110,7 +113,9 @@ export function upsertLease(status: IStatus, update: LeaseUpdate): IStatus {
     // A part of a lease we never saw: nothing to merge it into; the next snapshot has it.
     return status;
   }
-  const merged: ILease = previous ? { ...previous, ...update } : (update as ILease);
+  const merged: ILease = previous
+    ? { ...previous, ...update }
+    : (update as ILease);
   const leases = [...status.leases];
   if (index >= 0) {
     leases[index] = merged;
@@ -124,7 +129,11 @@ export function upsertLease(status: IStatus, update: LeaseUpdate): IStatus {
     const entry: IQueueEntry = {
       ...(existing ?? {}),
       lease_id: merged.id,
-      position: update.position ?? existing?.position ?? merged.position ?? queue.length + 1,
+      position:
+        update.position ??
+        existing?.position ??
+        merged.position ??
+        queue.length + 1,
       kernel_id: merged.kernel_id,
       user: merged.user
     };
@@ -170,7 +179,9 @@ function dropFromQueue(queue: IQueueEntry[], leaseId: string): IQueueEntry[] {
   return queue
     .filter(entry => entry.lease_id !== leaseId)
     .map(entry =>
-      entry.position > removed.position ? { ...entry, position: entry.position - 1 } : entry
+      entry.position > removed.position
+        ? { ...entry, position: entry.position - 1 }
+        : entry
     );
 }
 
@@ -204,7 +215,10 @@ export function upsertDevice(status: IStatus, update: DeviceUpdate): IStatus {
  * object, a notice changes nothing. Events before the first snapshot are dropped (the
  * snapshot will carry them).
  */
-export function applyEvent(status: IStatus | null, event: GPUSchedEvent): IStatus | null {
+export function applyEvent(
+  status: IStatus | null,
+  event: GPUSchedEvent
+): IStatus | null {
   switch (event.type) {
     case 'snapshot':
       return normalizeStatus(event.status);
@@ -319,7 +333,8 @@ export class GPUSchedModel implements IDisposable {
     this._client = options.client ?? new GPUSchedClient(settings);
     this._openSocket =
       options.openSocket ??
-      ((url: string): IEventSocket => new settings.WebSocket(url) as IEventSocket);
+      ((url: string): IEventSocket =>
+        new settings.WebSocket(url) as IEventSocket);
     this._socketUrl = options.socketUrl ?? eventsUrl(settings);
     this._clock = options.clock ?? Date.now;
     this._retry = options.retry ?? DEFAULT_RETRY;
@@ -476,7 +491,9 @@ export class GPUSchedModel implements IDisposable {
   /** The notebook path of a lease's kernel, where known. */
   pathOfLease(lease: ILease): string | null {
     return (
-      lease.notebook || (lease.kernel_id ? this._localKernels.get(lease.kernel_id) : null) || null
+      lease.notebook ||
+      (lease.kernel_id ? this._localKernels.get(lease.kernel_id) : null) ||
+      null
     );
   }
 
@@ -484,7 +501,10 @@ export class GPUSchedModel implements IDisposable {
   async release(leaseId: string): Promise<void> {
     await this._client.releaseLease(leaseId);
     if (this._status) {
-      this._status = upsertLease(this._status, { id: leaseId, state: 'released' });
+      this._status = upsertLease(this._status, {
+        id: leaseId,
+        state: 'released'
+      });
       this._changed.emit();
     }
     this._refreshUnlessLive();
@@ -494,8 +514,14 @@ export class GPUSchedModel implements IDisposable {
    * Keep a lease from idle reclaim (`POST /api/gpusched/leases/{id}/keep`), for `seconds`
    * within the server's `max_keep`.
    */
-  async keep(leaseId: string, seconds: number = DEFAULT_KEEP_SECONDS): Promise<void> {
-    const lease = await this._client.keepLease(leaseId, this.keepSeconds(seconds));
+  async keep(
+    leaseId: string,
+    seconds: number = DEFAULT_KEEP_SECONDS
+  ): Promise<void> {
+    const lease = await this._client.keepLease(
+      leaseId,
+      this.keepSeconds(seconds)
+    );
     if (lease && this._status) {
       this._status = upsertLease(this._status, lease);
       this._changed.emit();
@@ -611,10 +637,18 @@ export class GPUSchedModel implements IDisposable {
     }
     this._clearTimers();
     this._socketFailures += 1;
-    this._setConnection(this._status && !this._error ? 'polling' : this._connection, false);
+    this._setConnection(
+      this._status && !this._error ? 'polling' : this._connection,
+      false
+    );
     // Poll now and then at the refresh rate, until the socket is back.
     void this._poll.start().then(() => this._poll.refresh());
-    const delay = socketRetryDelay(this._socketFailures, this._everLive, code, this._retry);
+    const delay = socketRetryDelay(
+      this._socketFailures,
+      this._everLive,
+      code,
+      this._retry
+    );
     this._retryTimer = setTimeout(() => this._connect(), delay);
   }
 
@@ -646,7 +680,8 @@ export class GPUSchedModel implements IDisposable {
     this._status = normalizeStatus(payload);
     this._error = null;
     if (this._connection !== 'live') {
-      this._connection = this._socket && this._snapshotSeen ? 'live' : 'polling';
+      this._connection =
+        this._socket && this._snapshotSeen ? 'live' : 'polling';
     }
     this._changed.emit();
   }
@@ -664,7 +699,10 @@ export class GPUSchedModel implements IDisposable {
     }
   }
 
-  private _setConnection(connection: ConnectionState, forceEmit: boolean): void {
+  private _setConnection(
+    connection: ConnectionState,
+    forceEmit: boolean
+  ): void {
     if (connection !== this._connection) {
       this._connection = connection;
       this._changed.emit();
@@ -727,7 +765,10 @@ export class GPUSchedModel implements IDisposable {
   private _isDisposed = false;
 }
 
-function sameMap(a: ReadonlyMap<string, string>, b: ReadonlyMap<string, string>): boolean {
+function sameMap(
+  a: ReadonlyMap<string, string>,
+  b: ReadonlyMap<string, string>
+): boolean {
   if (a.size !== b.size) {
     return false;
   }

@@ -36,8 +36,33 @@ export const MAX_MESSAGE = 140;
 
 /** Words that tell nothing new next to a headline about a GPU lease. */
 const FILLER = new Set([
-  'a', 'an', 'and', 'as', 'at', 'by', 'for', 'from', 'in', 'is', 'it', 'its', 'now', 'of', 'on',
-  'onto', 'the', 'to', 'was', 'your', 'this', 'gpu', 'gpus', 'lease', 'kernel', 'waiting', 'wait'
+  'a',
+  'an',
+  'and',
+  'as',
+  'at',
+  'by',
+  'for',
+  'from',
+  'in',
+  'is',
+  'it',
+  'its',
+  'now',
+  'of',
+  'on',
+  'onto',
+  'the',
+  'to',
+  'was',
+  'your',
+  'this',
+  'gpu',
+  'gpus',
+  'lease',
+  'kernel',
+  'waiting',
+  'wait'
 ]);
 
 function wordsOf(text: string): string[] {
@@ -87,10 +112,16 @@ function fitClauses(text: string, keep: number): string | null {
  * "GPU of a.ipynb released while idle: ..."), else it follows after `join`. The result fits
  * a notification whole: clauses that do not fit are left out, never cut in the middle.
  */
-export function noticeSentence(headline: string, detail: string, join = ': '): string {
+export function noticeSentence(
+  headline: string,
+  detail: string,
+  join = ': '
+): string {
   const extra = detail.trim().replace(/[.\s]+$/, '');
   const said = new Set(wordsOf(headline));
-  const news = wordsOf(extra).filter(word => !said.has(word) && !FILLER.has(word));
+  const news = wordsOf(extra).filter(
+    word => !said.has(word) && !FILLER.has(word)
+  );
   if (!extra || news.length === 0) {
     return fitClauses(headline, 0) ?? headline;
   }
@@ -103,12 +134,19 @@ export function noticeSentence(headline: string, detail: string, join = ': '): s
     if (before.every(word => FILLER.has(word) || said.has(word))) {
       // What follows the repeated word in its token (a colon, say), then the rest.
       const token = tokens[at];
-      const tail = token.slice(token.toLowerCase().lastIndexOf(last) + last.length);
+      const tail = token.slice(
+        token.toLowerCase().lastIndexOf(last) + last.length
+      );
       const rest = tokens.slice(at + 1).join(' ');
-      text = `${headline}${tail}${rest ? ` ${rest}` : ''}`.replace(/[\s:;,]+$/, '');
+      text = `${headline}${tail}${rest ? ` ${rest}` : ''}`.replace(
+        /[\s:;,]+$/,
+        ''
+      );
     }
   }
-  return fitClauses(text, headline.length) ?? fitClauses(headline, 0) ?? headline;
+  return (
+    fitClauses(text, headline.length) ?? fitClauses(headline, 0) ?? headline
+  );
 }
 
 /** Between a countdown ("... in 0:59") and its reason: a colon would read as part of the time. */
@@ -125,17 +163,28 @@ export function shortName(name: string, max = 40): string {
 
 /** Texts of the notifications, given what is known of the lease. */
 export namespace NoticeText {
-  export function queued(label: string, position: number | null | undefined): string {
+  export function queued(
+    label: string,
+    position: number | null | undefined
+  ): string {
     return position
       ? `GPU request for ${label} queued at position ${position}`
       : `GPU request for ${label} queued`;
   }
 
-  export function granted(label: string, devices: string, names: string[] = []): string {
+  export function granted(
+    label: string,
+    devices: string,
+    names: string[] = []
+  ): string {
     return `${devices}${names.length > 0 ? ` (${names.join(', ')})` : ''} granted to ${label}`;
   }
 
-  export function reclaimWarning(label: string, devices: string, seconds: number): string {
+  export function reclaimWarning(
+    label: string,
+    devices: string,
+    seconds: number
+  ): string {
     return `${devices} of ${label} will be reclaimed in ${formatCountdown(seconds)}`;
   }
 
@@ -271,14 +320,21 @@ export class GPUSchedNotifier implements IDisposable {
         const names = lease
           ? Array.from(
               new Set(
-                devicesOfLease(this._model.status, lease).map(item => shortDeviceName(item.name))
+                devicesOfLease(this._model.status, lease).map(item =>
+                  shortDeviceName(item.name)
+                )
               )
             )
           : [];
         this._stopCountdown(key, false);
-        this._replace(key, noticeSentence(NoticeText.granted(label, devices, names), ''), 'success', {
-          autoClose: 6000
-        });
+        this._replace(
+          key,
+          noticeSentence(NoticeText.granted(label, devices, names), ''),
+          'success',
+          {
+            autoClose: 6000
+          }
+        );
         break;
       }
       case 'reclaim_warning':
@@ -288,7 +344,10 @@ export class GPUSchedNotifier implements IDisposable {
         this._stopCountdown(key, false);
         this._replace(
           key,
-          noticeSentence(NoticeText.reclaimCancelled(label, devices), notice.message),
+          noticeSentence(
+            NoticeText.reclaimCancelled(label, devices),
+            notice.message
+          ),
           'info',
           { autoClose: 6000 }
         );
@@ -300,16 +359,26 @@ export class GPUSchedNotifier implements IDisposable {
           // This page asked for the keep and says so itself.
           break;
         }
-        this._replace(key, NoticeText.keptElsewhere(label, notice.message), 'success', {
-          autoClose: 6000
-        });
+        this._replace(
+          key,
+          NoticeText.keptElsewhere(label, notice.message),
+          'success',
+          {
+            autoClose: 6000
+          }
+        );
         break;
       }
       case 'suspended':
         this._stopCountdown(key, false);
-        this._replace(key, NoticeText.suspended(label, notice.message), 'info', {
-          autoClose: 10000
-        });
+        this._replace(
+          key,
+          NoticeText.suspended(label, notice.message),
+          'info',
+          {
+            autoClose: 10000
+          }
+        );
         break;
       case 'resumed':
         this._replace(
@@ -322,33 +391,47 @@ export class GPUSchedNotifier implements IDisposable {
         break;
       case 'released':
         this._stopCountdown(key, false);
-        this._replace(key, noticeSentence(NoticeText.released(label), notice.message), 'info', {
-          autoClose: 8000
-        });
+        this._replace(
+          key,
+          noticeSentence(NoticeText.released(label), notice.message),
+          'info',
+          {
+            autoClose: 8000
+          }
+        );
         break;
       case 'reclaimed':
         this._stopCountdown(key, false);
-        this._replace(key, noticeSentence(NoticeText.reclaimed(label), notice.message), 'warning', {
-          autoClose: false
-        });
-        break;
-      case 'free_cache':
         this._replace(
           key,
-          NoticeText.freeCache(label, devices),
-          'info',
-          { autoClose: 8000 }
+          noticeSentence(NoticeText.reclaimed(label), notice.message),
+          'warning',
+          {
+            autoClose: false
+          }
         );
+        break;
+      case 'free_cache':
+        this._replace(key, NoticeText.freeCache(label, devices), 'info', {
+          autoClose: 8000
+        });
         break;
       case 'lost':
         this._stopCountdown(key, false);
-        this._replace(key, noticeSentence(NoticeText.lost(label), notice.message), 'error', {
-          autoClose: false
-        });
+        this._replace(
+          key,
+          noticeSentence(NoticeText.lost(label), notice.message),
+          'error',
+          {
+            autoClose: false
+          }
+        );
         break;
       default:
         if (notice.message) {
-          this._sink.emit(noticeSentence(notice.message, ''), 'info', { autoClose: 10000 });
+          this._sink.emit(noticeSentence(notice.message, ''), 'info', {
+            autoClose: 10000
+          });
         }
     }
   }
@@ -383,7 +466,10 @@ export class GPUSchedNotifier implements IDisposable {
         (keptFor !== null && keptFor > 0) ||
         (countdown.leaseHadReclaimAt && !lease.reclaim_at);
       if (cancelled) {
-        this._stopCountdown(key, !countdown.finished || lease.state === 'active');
+        this._stopCountdown(
+          key,
+          !countdown.finished || lease.state === 'active'
+        );
       } else if (lease.reclaim_at && lease.reclaim_at !== countdown.reclaimAt) {
         countdown.reclaimAt = lease.reclaim_at;
         countdown.finished = false;
@@ -403,7 +489,11 @@ export class GPUSchedNotifier implements IDisposable {
     if (!reclaimAt) {
       this._replace(
         key,
-        noticeSentence(`${devices} of ${label} will be reclaimed soon`, notice.message, COUNTDOWN_JOIN),
+        noticeSentence(
+          `${devices} of ${label} will be reclaimed soon`,
+          notice.message,
+          COUNTDOWN_JOIN
+        ),
         'warning',
         { autoClose: false, actions: [this._keepAction(notice, label)] }
       );
@@ -417,9 +507,15 @@ export class GPUSchedNotifier implements IDisposable {
       notice.message,
       COUNTDOWN_JOIN
     );
-    const options = { autoClose: false as const, actions: [this._keepAction(notice, label)] };
+    const options = {
+      autoClose: false as const,
+      actions: [this._keepAction(notice, label)]
+    };
     let id: string;
-    if (previous && this._sink.update({ id: previous, message, type: 'warning', ...options })) {
+    if (
+      previous &&
+      this._sink.update({ id: previous, message, type: 'warning', ...options })
+    ) {
       id = previous;
     } else {
       id = this._sink.emit(message, 'warning', options);
@@ -500,24 +596,38 @@ export class GPUSchedNotifier implements IDisposable {
     };
   }
 
-  private async _keep(notice: INotice, label: string, seconds: number): Promise<void> {
+  private async _keep(
+    notice: INotice,
+    label: string,
+    seconds: number
+  ): Promise<void> {
     const key = this._key(notice);
-    const leaseId = notice.lease_id ?? this._model.leaseOfKernel(notice.kernel_id)?.id;
+    const leaseId =
+      notice.lease_id ?? this._model.leaseOfKernel(notice.kernel_id)?.id;
     if (!leaseId) {
-      this._replace(key, NoticeText.keepFailed(label, 'the lease is gone'), 'error', {
-        autoClose: 8000
-      });
+      this._replace(
+        key,
+        NoticeText.keepFailed(label, 'the lease is gone'),
+        'error',
+        {
+          autoClose: 8000
+        }
+      );
       return;
     }
     this._stopCountdown(key, true);
     this._keptAt.set(key, Date.now());
     try {
       await this._model.keep(leaseId, seconds);
-      this._replace(key, NoticeText.kept(label, seconds), 'success', { autoClose: 5000 });
+      this._replace(key, NoticeText.kept(label, seconds), 'success', {
+        autoClose: 5000
+      });
     } catch (error) {
       this._keptAt.delete(key);
       const reason = error instanceof Error ? error.message : String(error);
-      this._replace(key, NoticeText.keepFailed(label, reason), 'error', { autoClose: false });
+      this._replace(key, NoticeText.keepFailed(label, reason), 'error', {
+        autoClose: false
+      });
     }
   }
 
@@ -546,12 +656,16 @@ export class GPUSchedNotifier implements IDisposable {
   }
 
   private _leaseOf(notice: INotice): ILease | null {
-    return this._model.lease(notice.lease_id) ?? this._model.leaseOfKernel(notice.kernel_id);
+    return (
+      this._model.lease(notice.lease_id) ??
+      this._model.leaseOfKernel(notice.kernel_id)
+    );
   }
 
   private _label(notice: INotice, lease: ILease | null): string {
     const kernelId = notice.kernel_id ?? lease?.kernel_id ?? null;
-    const path = lease?.notebook || (kernelId ? this._model.pathOfKernel(kernelId) : null);
+    const path =
+      lease?.notebook || (kernelId ? this._model.pathOfKernel(kernelId) : null);
     if (path) {
       return shortName(baseName(path));
     }

@@ -5,7 +5,13 @@
 import { ReactWidget, UseSignal, refreshIcon } from '@jupyterlab/ui-components';
 import * as React from 'react';
 
-import { DEFAULT_KEEP_SECONDS, IDevice, ILease, IQueueEntry, IStatus } from './api';
+import {
+  DEFAULT_KEEP_SECONDS,
+  IDevice,
+  ILease,
+  IQueueEntry,
+  IStatus
+} from './api';
 import {
   baseName,
   clampPercent,
@@ -87,12 +93,16 @@ interface IViewProps {
   keepSeconds: number;
 }
 
-const CONNECTION_TEXT: Record<ConnectionState, { label: string; title: string }> = {
+const CONNECTION_TEXT: Record<
+  ConnectionState,
+  { label: string; title: string }
+> = {
   connecting: { label: 'connecting', title: 'Connecting to the GPU scheduler' },
   live: { label: 'live', title: 'Live: changes are pushed by the server' },
   polling: {
     label: 'polling',
-    title: 'The live event stream is unavailable: the status is refreshed periodically'
+    title:
+      'The live event stream is unavailable: the status is refreshed periodically'
   },
   offline: { label: 'offline', title: 'The GPU scheduler does not answer' }
 };
@@ -156,7 +166,13 @@ function PanelView(props: IViewProps): React.ReactElement {
       ) : (
         <>
           <Summary status={status} />
-          <DevicesSection model={model} status={status} now={now} pending={pending} run={run} />
+          <DevicesSection
+            model={model}
+            status={status}
+            now={now}
+            pending={pending}
+            run={run}
+          />
           <LeasesSection
             model={model}
             status={status}
@@ -165,7 +181,12 @@ function PanelView(props: IViewProps): React.ReactElement {
             run={run}
             keepSeconds={keepSeconds}
           />
-          <QueueSection model={model} status={status} pending={pending} run={run} />
+          <QueueSection
+            model={model}
+            status={status}
+            pending={pending}
+            run={run}
+          />
         </>
       )}
     </div>
@@ -174,7 +195,11 @@ function PanelView(props: IViewProps): React.ReactElement {
 
 function Summary(props: { status: IStatus }): React.ReactElement {
   const { status } = props;
-  const parts = [status.mode, `${status.backend} backend`, `${status.policy} policy`];
+  const parts = [
+    status.mode,
+    `${status.backend} backend`,
+    `${status.policy} policy`
+  ];
   if (status.user) {
     parts.push(status.is_admin ? `${status.user} (admin)` : status.user);
   } else if (status.is_admin) {
@@ -230,7 +255,9 @@ function Section(props: {
   );
 }
 
-function DevicesSection(props: ISectionProps & { now: number }): React.ReactElement {
+function DevicesSection(
+  props: ISectionProps & { now: number }
+): React.ReactElement {
   const { status } = props;
   return (
     <Section name="devices" title="Devices" count={status.devices.length}>
@@ -255,7 +282,14 @@ function Meter(props: {
   text: string;
 }): React.ReactElement {
   const value = clampPercent(props.value);
-  const level = value === null ? 'unknown' : value >= 90 ? 'high' : value >= 60 ? 'medium' : 'low';
+  const level =
+    value === null
+      ? 'unknown'
+      : value >= 90
+        ? 'high'
+        : value >= 60
+          ? 'medium'
+          : 'low';
   const known = value !== null;
   return (
     <div className={`jp-gpusched-Meter jp-gpusched-Meter-${props.kind}`}>
@@ -284,11 +318,16 @@ function Meter(props: {
   );
 }
 
-function DeviceCard(props: ISectionProps & { now: number; device: IDevice }): React.ReactElement {
+function DeviceCard(
+  props: ISectionProps & { now: number; device: IDevice }
+): React.ReactElement {
   const { model, status, device, pending, run } = props;
   const holders = holdersOfDevice(status, device);
   const unleased = unleasedProcesses(device);
-  const unleasedBytes = unleased.reduce((sum, process) => sum + (process.memory_used ?? 0), 0);
+  const unleasedBytes = unleased.reduce(
+    (sum, process) => sum + (process.memory_used ?? 0),
+    0
+  );
   const gpu = `GPU ${device.index}`;
   const drainKey = `device:${device.uuid}`;
   const drained = device.health === 'drained';
@@ -303,7 +342,10 @@ function DeviceCard(props: ISectionProps & { now: number; device: IDevice }): Re
     >
       <div className="jp-gpusched-Device-header">
         <span className="jp-gpusched-Device-title">{gpu}</span>
-        <span className="jp-gpusched-Device-name" title={`${device.name}\n${device.uuid}`}>
+        <span
+          className="jp-gpusched-Device-name"
+          title={`${device.name}\n${device.uuid}`}
+        >
           {device.name}
           {device.mig_profile ? ` (MIG ${device.mig_profile})` : ''}
         </span>
@@ -328,7 +370,9 @@ function DeviceCard(props: ISectionProps & { now: number; device: IDevice }): Re
             }
             disabled={pending.has(drainKey) || device.health === 'lost'}
             onClick={() =>
-              run(drainKey, () => (drained ? model.undrain(device.uuid) : model.drain(device.uuid)))
+              run(drainKey, () =>
+                drained ? model.undrain(device.uuid) : model.drain(device.uuid)
+              )
             }
           >
             {drained ? 'Undrain' : 'Drain'}
@@ -351,7 +395,9 @@ function DeviceCard(props: ISectionProps & { now: number; device: IDevice }): Re
       />
       <div className="jp-gpusched-Holders">
         {holders.length === 0 ? (
-          <span className="jp-gpusched-Free">{device.health === 'ok' ? 'free' : 'unused'}</span>
+          <span className="jp-gpusched-Free">
+            {device.health === 'ok' ? 'free' : 'unused'}
+          </span>
         ) : (
           holders.map(lease => (
             <span
@@ -362,15 +408,17 @@ function DeviceCard(props: ISectionProps & { now: number; device: IDevice }): Re
             >
               {holderOf(lease)}
               {model.isOwn(lease) ? ' (you)' : ''}:{' '}
-              {leaseLabel(lease, model.pathOfLease(lease))} ({stateLabel(lease.state)})
+              {leaseLabel(lease, model.pathOfLease(lease))} (
+              {stateLabel(lease.state)})
             </span>
           ))
         )}
       </div>
       {unleased.length > 0 && (
         <div className="jp-gpusched-Unleased" role="note">
-          {unleased.length === 1 ? '1 process' : `${unleased.length} processes`} outside any
-          lease{unleasedBytes > 0 ? ` (${formatBytes(unleasedBytes)})` : ''}
+          {unleased.length === 1 ? '1 process' : `${unleased.length} processes`}{' '}
+          outside any lease
+          {unleasedBytes > 0 ? ` (${formatBytes(unleasedBytes)})` : ''}
         </div>
       )}
     </li>
@@ -387,7 +435,8 @@ function leaseOrder(model: GPUSchedModel, status: IStatus) {
     if (user !== 0) {
       return user;
     }
-    const first = (lease: ILease): number => deviceIndicesOf(status, lease)[0] ?? 1e9;
+    const first = (lease: ILease): number =>
+      deviceIndicesOf(status, lease)[0] ?? 1e9;
     return first(a) - first(b);
   };
 }
@@ -441,7 +490,10 @@ function LeaseItem(
   const memory = leaseMemory(status, lease);
   const timer = leaseTimer(lease, now);
   const outlook = idleOutlook(lease, now, status.queue.length > 0);
-  const holding = lease.state === 'active' || lease.state === 'idle' || lease.state === 'reclaiming';
+  const holding =
+    lease.state === 'active' ||
+    lease.state === 'idle' ||
+    lease.state === 'reclaiming';
   const keepKey = `keep:${lease.id}`;
   const releaseKey = `release:${lease.id}`;
 
@@ -456,7 +508,9 @@ function LeaseItem(
       <div className="jp-gpusched-Lease-main">
         <span
           className="jp-gpusched-Lease-label"
-          title={path ?? (lease.kernel_id ? `kernel ${lease.kernel_id}` : undefined)}
+          title={
+            path ?? (lease.kernel_id ? `kernel ${lease.kernel_id}` : undefined)
+          }
         >
           {label}
         </span>
@@ -491,7 +545,9 @@ function LeaseItem(
         <div
           className="jp-gpusched-Lease-forecast"
           data-step={lease.idle_forecast?.step ?? ''}
-          title={[outlook.sentence, lease.idle_forecast?.reason].filter(Boolean).join('\n')}
+          title={[outlook.sentence, lease.idle_forecast?.reason]
+            .filter(Boolean)
+            .join('\n')}
         >
           {outlook.brief}
         </div>
@@ -543,12 +599,16 @@ function QueueSection(props: ISectionProps): React.ReactElement {
   );
 }
 
-function QueueItem(props: ISectionProps & { entry: IQueueEntry }): React.ReactElement {
+function QueueItem(
+  props: ISectionProps & { entry: IQueueEntry }
+): React.ReactElement {
   const { model, entry, pending, run } = props;
   const lease = model.lease(entry.lease_id);
   const kernelId = entry.kernel_id ?? lease?.kernel_id;
   const path =
-    entry.notebook || lease?.notebook || (kernelId ? model.localKernels.get(kernelId) : null);
+    entry.notebook ||
+    lease?.notebook ||
+    (kernelId ? model.localKernels.get(kernelId) : null);
   const label = path ? baseName(path) : kernelLabel(kernelId);
   const who = entry.holder || entry.user || (lease ? holderOf(lease) : '');
   const own = lease ? model.isOwn(lease) : false;
@@ -562,7 +622,10 @@ function QueueItem(props: ISectionProps & { entry: IQueueEntry }): React.ReactEl
       data-position={entry.position}
       data-own={own ? 'true' : 'false'}
     >
-      <span className="jp-gpusched-QueuePosition" aria-label={`Position ${entry.position}`}>
+      <span
+        className="jp-gpusched-QueuePosition"
+        aria-label={`Position ${entry.position}`}
+      >
         #{entry.position}
       </span>
       <span className="jp-gpusched-QueueLabel">{label}</span>
@@ -573,7 +636,9 @@ function QueueItem(props: ISectionProps & { entry: IQueueEntry }): React.ReactEl
         </span>
       )}
       {count !== null && count > 0 && (
-        <span className="jp-gpusched-QueueCount">{count === 1 ? '1 GPU' : `${count} GPUs`}</span>
+        <span className="jp-gpusched-QueueCount">
+          {count === 1 ? '1 GPU' : `${count} GPUs`}
+        </span>
       )}
       {own && (
         <button

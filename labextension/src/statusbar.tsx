@@ -88,9 +88,13 @@ function KernelStatus(props: {
   const lease = model.leaseOfKernel(kernelId);
   const ticking =
     lease !== null &&
-    (lease.state === 'idle' || lease.state === 'reclaiming' || lease.reclaim_at !== null);
+    (lease.state === 'idle' ||
+      lease.state === 'reclaiming' ||
+      lease.reclaim_at !== null);
   const now = useNow(model, ticking);
-  const summary = summarizeKernel(model.status, lease, now, model.error, { lazy });
+  const summary = summarizeKernel(model.status, lease, now, model.error, {
+    lazy
+  });
   const descriptionId = 'jp-gpusched-status-description';
 
   return (

@@ -23,7 +23,9 @@ export class FakeSocket implements IEventSocket {
   }
 
   send(data: unknown): void {
-    this.onmessage?.(new MessageEvent('message', { data: JSON.stringify(data) }));
+    this.onmessage?.(
+      new MessageEvent('message', { data: JSON.stringify(data) })
+    );
   }
 
   fail(code = 1006): void {
@@ -58,7 +60,10 @@ export function sleep(ms: number): Promise<void> {
   return new Promise(resolve => setTimeout(resolve, ms));
 }
 
-export async function waitFor(condition: () => boolean, timeoutMs = 2000): Promise<void> {
+export async function waitFor(
+  condition: () => boolean,
+  timeoutMs = 2000
+): Promise<void> {
   const deadline = Date.now() + timeoutMs;
   while (!condition()) {
     if (Date.now() > deadline) {
@@ -75,7 +80,9 @@ export interface IHarness {
   changes: () => number;
 }
 
-export function harness(options: Partial<GPUSchedModel.IOptions> = {}): IHarness {
+export function harness(
+  options: Partial<GPUSchedModel.IOptions> = {}
+): IHarness {
   const client = new FakeClient();
   const sockets: FakeSocket[] = [];
   let changes = 0;
@@ -99,4 +106,3 @@ export function harness(options: Partial<GPUSchedModel.IOptions> = {}): IHarness
   });
   return { model, client, sockets, changes: () => changes };
 }
-

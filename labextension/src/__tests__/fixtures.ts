@@ -2,7 +2,10 @@ import type { IDevice, ILease, IStatus, IStatusPayload } from '../api';
 
 export const GiB = 1024 ** 3;
 
-export function device(index: number, overrides: Partial<IDevice> = {}): IDevice {
+export function device(
+  index: number,
+  overrides: Partial<IDevice> = {}
+): IDevice {
   return {
     uuid: `GPU-${index}`,
     index,
@@ -37,7 +40,9 @@ export function lease(id: string, overrides: Partial<ILease> = {}): ILease {
   };
 }
 
-export function payload(overrides: Partial<IStatusPayload> = {}): IStatusPayload {
+export function payload(
+  overrides: Partial<IStatusPayload> = {}
+): IStatusPayload {
   return {
     mode: 'standalone',
     backend: 'simulated',

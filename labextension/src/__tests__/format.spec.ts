@@ -113,9 +113,13 @@ describe('small helpers', () => {
   });
 
   it('labels a lease by notebook, session path or kernel id', () => {
-    expect(leaseLabel(lease('a', { notebook: 'x/Train.ipynb' }))).toBe('Train.ipynb');
+    expect(leaseLabel(lease('a', { notebook: 'x/Train.ipynb' }))).toBe(
+      'Train.ipynb'
+    );
     expect(leaseLabel(lease('a'), 'y/Eval.ipynb')).toBe('Eval.ipynb');
-    expect(leaseLabel(lease('a', { kernel_id: '0123456789abcdef' }))).toBe('kernel 01234567');
+    expect(leaseLabel(lease('a', { kernel_id: '0123456789abcdef' }))).toBe(
+      'kernel 01234567'
+    );
   });
 
   it('computes times relative to a given now', () => {
@@ -140,7 +144,9 @@ describe('leaseOfKernel', () => {
       lease('susp', { kernel_id: 'k', state: 'suspended' })
     ];
     expect(leaseOfKernel(status({ leases }), 'k')?.id).toBe('held');
-    expect(leaseOfKernel(status({ leases: leases.slice(0, 2) }), 'k')?.id).toBe('wait');
+    expect(leaseOfKernel(status({ leases: leases.slice(0, 2) }), 'k')?.id).toBe(
+      'wait'
+    );
     expect(leaseOfKernel(status({ leases: [leases[0]] }), 'k')).toBeNull();
   });
 
@@ -169,7 +175,12 @@ describe('device and queue lookups', () => {
 
   it('reads a queue position from the queue, else the lease', () => {
     const waiting = lease('w', { state: 'pending', position: 7 });
-    expect(queuePosition(status({ queue: [{ lease_id: 'w', position: 2 }] }), waiting)).toBe(2);
+    expect(
+      queuePosition(
+        status({ queue: [{ lease_id: 'w', position: 2 }] }),
+        waiting
+      )
+    ).toBe(2);
     expect(queuePosition(status(), waiting)).toBe(7);
     expect(queuePosition(status(), lease('x'))).toBeNull();
   });
@@ -188,19 +199,30 @@ describe('leaseMemory', () => {
         })
       ]
     });
-    const l = lease('a', { kernel_id: 'k', devices: ['GPU-0'], mode: 'shared', memory: 16 * GiB });
+    const l = lease('a', {
+      kernel_id: 'k',
+      devices: ['GPU-0'],
+      mode: 'shared',
+      memory: 16 * GiB
+    });
     expect(leaseMemory(s, l)).toEqual({ used: 10 * GiB, total: 16 * GiB });
   });
 
   it('uses device usage for an exclusive lease without process data', () => {
-    const s = status({ devices: [device(0, { memory_used: 5 * GiB }), device(1)] });
+    const s = status({
+      devices: [device(0, { memory_used: 5 * GiB }), device(1)]
+    });
     const l = lease('a', { devices: ['GPU-0', 'GPU-1'] });
     expect(leaseMemory(s, l)).toEqual({ used: 5 * GiB, total: 160 * GiB });
   });
 
   it('is unknown for a shared lease without process data', () => {
     const s = status({ devices: [device(0, { memory_used: 5 * GiB })] });
-    const l = lease('a', { devices: ['GPU-0'], mode: 'shared', memory: 8 * GiB });
+    const l = lease('a', {
+      devices: ['GPU-0'],
+      mode: 'shared',
+      memory: 8 * GiB
+    });
     expect(leaseMemory(s, l)).toEqual({ used: null, total: 8 * GiB });
   });
 });
@@ -214,7 +236,11 @@ describe('countdowns', () => {
   });
 
   it('measures idle time from last activity, else idle_seconds', () => {
-    const l = lease('a', { state: 'idle', last_active_at: iso(T0 - 90000), idle_seconds: 5 });
+    const l = lease('a', {
+      state: 'idle',
+      last_active_at: iso(T0 - 90000),
+      idle_seconds: 5
+    });
     expect(idleSeconds(l, T0)).toBe(90);
     expect(idleSeconds({ ...l, last_active_at: null }, T0)).toBe(5);
     expect(idleSeconds({ ...l, state: 'active' }, T0)).toBeNull();
@@ -241,9 +267,18 @@ describe('summarizeKernel', () => {
 
   it('shows the queue position', () => {
     const l = lease('w', { state: 'pending' });
-    const s = status({ devices, leases: [l], queue: [{ lease_id: 'w', position: 2 }] });
-    expect(summarizeKernel(s, l, T0)).toMatchObject({ text: 'GPU: queued #2', state: 'pending' });
-    expect(summarizeKernel(status({ leases: [l] }), l, T0).text).toBe('GPU: queued');
+    const s = status({
+      devices,
+      leases: [l],
+      queue: [{ lease_id: 'w', position: 2 }]
+    });
+    expect(summarizeKernel(s, l, T0)).toMatchObject({
+      text: 'GPU: queued #2',
+      state: 'pending'
+    });
+    expect(summarizeKernel(status({ leases: [l] }), l, T0).text).toBe(
+      'GPU: queued'
+    );
   });
 
   it('shows device, memory and idle time', () => {
@@ -254,9 +289,13 @@ describe('summarizeKernel', () => {
       last_active_at: iso(T0 - 252000)
     });
     const s = status({ devices, leases: [l] });
-    expect(summarizeKernel(s, l, T0).text).toBe('GPU 0: A100-SXM4-80GB · 12.0 / 80.0 GiB · idle 4m 12s');
+    expect(summarizeKernel(s, l, T0).text).toBe(
+      'GPU 0: A100-SXM4-80GB · 12.0 / 80.0 GiB · idle 4m 12s'
+    );
     const active = { ...l, state: 'active' as const };
-    expect(summarizeKernel(s, active, T0).text).toBe('GPU 0: A100-SXM4-80GB · 12.0 / 80.0 GiB');
+    expect(summarizeKernel(s, active, T0).text).toBe(
+      'GPU 0: A100-SXM4-80GB · 12.0 / 80.0 GiB'
+    );
   });
 
   it('counts down to a reclaim', () => {
@@ -273,7 +312,9 @@ describe('summarizeKernel', () => {
 
   it('shows a suspended lease', () => {
     const l = lease('a', { state: 'suspended' });
-    expect(summarizeKernel(status({ leases: [l] }), l, T0).text).toBe('GPU: suspended');
+    expect(summarizeKernel(status({ leases: [l] }), l, T0).text).toBe(
+      'GPU: suspended'
+    );
   });
 });
 
@@ -288,35 +329,50 @@ describe('a lazily bound kernel', () => {
   it('is told from its kernelspec metadata', () => {
     expect(bindsLazily(lazy)).toBe(true);
     // Lazy is the provisioner's default.
-    expect(bindsLazily({ kernel_provisioner: { provisioner_name: 'gpusched-provisioner' } })).toBe(
-      true
-    );
     expect(
       bindsLazily({
-        kernel_provisioner: { provisioner_name: 'gpusched-provisioner', config: { bind: 'launch' } }
+        kernel_provisioner: { provisioner_name: 'gpusched-provisioner' }
+      })
+    ).toBe(true);
+    expect(
+      bindsLazily({
+        kernel_provisioner: {
+          provisioner_name: 'gpusched-provisioner',
+          config: { bind: 'launch' }
+        }
       })
     ).toBe(false);
-    expect(bindsLazily({ kernel_provisioner: { provisioner_name: 'local-provisioner' } })).toBe(
-      false
-    );
+    expect(
+      bindsLazily({
+        kernel_provisioner: { provisioner_name: 'local-provisioner' }
+      })
+    ).toBe(false);
     expect(bindsLazily(undefined)).toBe(false);
   });
 
   it('says its GPU comes at the first cell, not that it has none', () => {
     const summary = summarizeKernel(status(), null, T0, null, { lazy: true });
-    expect(summary).toMatchObject({ text: 'GPU: at first cell', state: 'lazy' });
+    expect(summary).toMatchObject({
+      text: 'GPU: at first cell',
+      state: 'lazy'
+    });
     expect(summary.description).toContain('first cell runs');
     expect(summary.description).toContain('2 of 2 free');
     // Once it holds a lease, the lease is what it shows.
     const held = lease('L1', { devices: ['GPU-0'], device_indices: [0] });
     expect(
-      summarizeKernel(status({ leases: [held] }), held, T0, null, { lazy: true }).text
+      summarizeKernel(status({ leases: [held] }), held, T0, null, {
+        lazy: true
+      }).text
     ).toMatch(/^GPU 0: /);
   });
 });
 
 describe('idleOutlook', () => {
-  const idle = (forecast: Partial<NonNullable<ILease['idle_forecast']>> | null, extra = {}) =>
+  const idle = (
+    forecast: Partial<NonNullable<ILease['idle_forecast']>> | null,
+    extra = {}
+  ) =>
     lease('L1', {
       devices: ['GPU-0'],
       device_indices: [0],
@@ -360,13 +416,21 @@ describe('idleOutlook', () => {
   });
 
   it('says when idle takes nothing back', () => {
-    const outlook = idleOutlook(idle({ step: null, at: null, contended_at: null }), T0);
-    expect(outlook).toMatchObject({ short: null, brief: 'If idle: kept until released' });
+    const outlook = idleOutlook(
+      idle({ step: null, at: null, contended_at: null }),
+      T0
+    );
+    expect(outlook).toMatchObject({
+      short: null,
+      brief: 'If idle: kept until released'
+    });
   });
 
   it('has nothing to say without a forecast, or once a reclaim is announced', () => {
     expect(idleOutlook(idle(null), T0)).toBeNull();
-    expect(idleOutlook(idle({}, { reclaim_at: iso(T0 + 30_000) }), T0)).toBeNull();
+    expect(
+      idleOutlook(idle({}, { reclaim_at: iso(T0 + 30_000) }), T0)
+    ).toBeNull();
   });
 
   it('shows in the status bar text of an idle lease and in its tooltip', () => {

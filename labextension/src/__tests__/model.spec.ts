@@ -16,7 +16,9 @@ import { device, iso, lease, payload, status, T0 } from './fixtures';
 
 describe('parseEvent', () => {
   it('accepts objects nested under their type name or inline', () => {
-    const nested = parseEvent(JSON.stringify({ type: 'lease', lease: lease('a') }));
+    const nested = parseEvent(
+      JSON.stringify({ type: 'lease', lease: lease('a') })
+    );
     const inline = parseEvent(JSON.stringify({ type: 'lease', ...lease('a') }));
     expect(nested).toEqual({ type: 'lease', lease: lease('a') });
     expect(inline).toEqual({ type: 'lease', lease: lease('a') });
@@ -52,18 +54,29 @@ describe('parseEvent', () => {
         reclaim_at: '2024-05-01T10:01:00Z'
       }
     });
-    expect(parseEvent({ type: 'notice', notice: { kind: 'granted' } })).toEqual({
-      type: 'notice',
-      notice: { kind: 'granted', lease_id: null, kernel_id: null, message: '' }
-    });
+    expect(parseEvent({ type: 'notice', notice: { kind: 'granted' } })).toEqual(
+      {
+        type: 'notice',
+        notice: {
+          kind: 'granted',
+          lease_id: null,
+          kernel_id: null,
+          message: ''
+        }
+      }
+    );
   });
 
   it('ignores what it does not understand', () => {
     expect(parseEvent('not json')).toBeNull();
     expect(parseEvent('[1, 2]')).toBeNull();
     expect(parseEvent({ type: 'mystery' })).toBeNull();
-    expect(parseEvent({ type: 'lease', lease: { state: 'active' } })).toBeNull();
-    expect(parseEvent({ type: 'snapshot', status: { devices: [] } })).toBeNull();
+    expect(
+      parseEvent({ type: 'lease', lease: { state: 'active' } })
+    ).toBeNull();
+    expect(
+      parseEvent({ type: 'snapshot', status: { devices: [] } })
+    ).toBeNull();
     expect(parseEvent({ type: 'notice', message: 'no kind' })).toBeNull();
   });
 });
@@ -74,7 +87,10 @@ describe('parseEvent', () => {
 describe('normalizeQueue', () => {
   it('accepts lease ids and objects, fills positions, sorts', () => {
     const leases = [lease('b', { state: 'pending', position: 1, user: 'bob' })];
-    const queue = normalizeQueue(['a', { id: 'b' }, { lease_id: 'c', position: 3 }, {}], leases);
+    const queue = normalizeQueue(
+      ['a', { id: 'b' }, { lease_id: 'c', position: 3 }, {}],
+      leases
+    );
     expect(queue.map(e => [e.lease_id, e.position])).toEqual([
       ['a', 1],
       ['b', 1],
@@ -121,13 +137,25 @@ describe('upsertLease', () => {
   });
 
   it('merges the fields of a partial update', () => {
-    const next = upsertLease(base, { id: 'a', state: 'idle', idle_seconds: 40 });
+    const next = upsertLease(base, {
+      id: 'a',
+      state: 'idle',
+      idle_seconds: 40
+    });
     const a = next.leases.find(l => l.id === 'a');
-    expect(a).toMatchObject({ state: 'idle', idle_seconds: 40, devices: ['GPU-0'] });
+    expect(a).toMatchObject({
+      state: 'idle',
+      idle_seconds: 40,
+      devices: ['GPU-0']
+    });
   });
 
   it("inserts another user's lease whose kernel is hidden", () => {
-    const hidden = lease('h', { kernel_id: null, user: 'another user', holder: 'another user' });
+    const hidden = lease('h', {
+      kernel_id: null,
+      user: 'another user',
+      holder: 'another user'
+    });
     expect(upsertLease(base, hidden).leases.map(l => l.id)).toContain('h');
   });
 
@@ -175,11 +203,21 @@ describe('upsertLease', () => {
   });
 
   it('queues a new pending lease at its position', () => {
-    const next = upsertLease(base, lease('w0', { state: 'pending', position: 1, user: 'bob' }));
+    const next = upsertLease(
+      base,
+      lease('w0', { state: 'pending', position: 1, user: 'bob' })
+    );
     expect(next.queue.map(e => e.lease_id)).toEqual(['w0', 'w1', 'w2', 'w3']);
     expect(next.queue.map(e => e.position)).toEqual([1, 2, 3, 4]);
-    expect(next.queue[0]).toMatchObject({ position: 1, user: 'bob', kernel_id: 'kernel-w0' });
-    const appended = upsertLease(base, lease('w9', { state: 'pending', position: null }));
+    expect(next.queue[0]).toMatchObject({
+      position: 1,
+      user: 'bob',
+      kernel_id: 'kernel-w0'
+    });
+    const appended = upsertLease(
+      base,
+      lease('w9', { state: 'pending', position: null })
+    );
     expect(appended.queue[3]).toMatchObject({ lease_id: 'w9', position: 4 });
   });
 });
@@ -187,8 +225,16 @@ describe('upsertLease', () => {
 describe('upsertDevice', () => {
   it('merges a known device, adds a complete new one, keeps index order', () => {
     const base = status({ devices: [device(0), device(2)] });
-    const merged = upsertDevice(base, { uuid: 'GPU-2', utilization: 93, health: 'drained' });
-    expect(merged.devices[1]).toMatchObject({ index: 2, utilization: 93, health: 'drained' });
+    const merged = upsertDevice(base, {
+      uuid: 'GPU-2',
+      utilization: 93,
+      health: 'drained'
+    });
+    expect(merged.devices[1]).toMatchObject({
+      index: 2,
+      utilization: 93,
+      health: 'drained'
+    });
 
     const added = upsertDevice(base, {
       uuid: 'MIG-1',
@@ -197,7 +243,11 @@ describe('upsertDevice', () => {
       memory_total: 10
     });
     expect(added.devices.map(d => d.uuid)).toEqual(['GPU-0', 'MIG-1', 'GPU-2']);
-    expect(added.devices[1]).toMatchObject({ health: 'ok', processes: [], memory_used: null });
+    expect(added.devices[1]).toMatchObject({
+      health: 'ok',
+      processes: [],
+      memory_used: null
+    });
 
     expect(upsertDevice(base, { uuid: 'unknown', utilization: 5 })).toBe(base);
   });
@@ -219,7 +269,12 @@ describe('applyEvent', () => {
 
   it('changes nothing for a notice', () => {
     const s = status();
-    const notice: INotice = { kind: 'granted', lease_id: 'a', kernel_id: 'k', message: '' };
+    const notice: INotice = {
+      kind: 'granted',
+      lease_id: 'a',
+      kernel_id: 'k',
+      message: ''
+    };
     expect(applyEvent(s, { type: 'notice', notice })).toBe(s);
   });
 });
@@ -227,7 +282,9 @@ describe('applyEvent', () => {
 describe('isOwnLease', () => {
   it("follows the server's `mine` where it is sent", () => {
     const s = status({ user: 'alice' });
-    expect(isOwnLease(s, lease('a', { user: 'alice', mine: false }))).toBe(false);
+    expect(isOwnLease(s, lease('a', { user: 'alice', mine: false }))).toBe(
+      false
+    );
     expect(isOwnLease(s, lease('b', { user: 'bob', mine: true }))).toBe(true);
   });
 
@@ -239,25 +296,37 @@ describe('isOwnLease', () => {
 
   it('never owns a lease shown as another user', () => {
     const s = status({ user: 'another user' });
-    expect(isOwnLease(s, lease('a', { user: 'another user', holder: 'another user' }))).toBe(
-      false
-    );
+    expect(
+      isOwnLease(
+        s,
+        lease('a', { user: 'another user', holder: 'another user' })
+      )
+    ).toBe(false);
   });
 
   it("owns the leases of this server's kernels when the user is unknown", () => {
     const kernels = new Map([['k1', 'Train.ipynb']]);
-    expect(isOwnLease(status(), lease('a', { kernel_id: 'k1' }), kernels)).toBe(true);
-    expect(isOwnLease(status(), lease('b', { kernel_id: 'k2' }), kernels)).toBe(false);
+    expect(isOwnLease(status(), lease('a', { kernel_id: 'k1' }), kernels)).toBe(
+      true
+    );
+    expect(isOwnLease(status(), lease('b', { kernel_id: 'k2' }), kernels)).toBe(
+      false
+    );
   });
 });
 
 describe('socketRetryDelay', () => {
-  const options = { baseMs: 2000, maxMs: 60000, maxAttempts: 5, slowMs: 300000 };
+  const options = {
+    baseMs: 2000,
+    maxMs: 60000,
+    maxAttempts: 5,
+    slowMs: 300000
+  };
 
   it('backs off exponentially up to the cap', () => {
-    expect([1, 2, 3, 4].map(n => socketRetryDelay(n, false, 1006, options))).toEqual([
-      2000, 4000, 8000, 16000
-    ]);
+    expect(
+      [1, 2, 3, 4].map(n => socketRetryDelay(n, false, 1006, options))
+    ).toEqual([2000, 4000, 8000, 16000]);
     expect(socketRetryDelay(10, true, 1006, options)).toBe(60000);
   });
 
@@ -291,7 +360,10 @@ describe('GPUSchedModel', () => {
     expect(h.model.connection).toBe('connecting');
 
     h.sockets[0].open();
-    h.sockets[0].send({ type: 'snapshot', status: payload({ leases: [lease('a')] }) });
+    h.sockets[0].send({
+      type: 'snapshot',
+      status: payload({ leases: [lease('a')] })
+    });
     expect(h.model.connection).toBe('live');
     expect(h.model.status?.leases.map(l => l.id)).toEqual(['a']);
     expect(h.changes()).toBeGreaterThan(0);
@@ -309,7 +381,11 @@ describe('GPUSchedModel', () => {
     const before = h.changes();
     socket.send({
       type: 'lease',
-      lease: lease('a', { kernel_id: 'k1', devices: ['GPU-1'], device_indices: [1] })
+      lease: lease('a', {
+        kernel_id: 'k1',
+        devices: ['GPU-1'],
+        device_indices: [1]
+      })
     });
     expect(h.changes()).toBe(before + 1);
     expect(h.model.leaseOfKernel('k1')?.id).toBe('a');
@@ -341,7 +417,13 @@ describe('GPUSchedModel', () => {
       position: 2
     });
     expect(notices).toEqual([
-      { kind: 'queued', lease_id: 'w', kernel_id: 'k', message: 'position 2', position: 2 }
+      {
+        kind: 'queued',
+        lease_id: 'w',
+        kernel_id: 'k',
+        message: 'position 2',
+        position: 2
+      }
     ]);
     expect(h.changes()).toBe(before);
   });
@@ -359,7 +441,10 @@ describe('GPUSchedModel', () => {
     // The socket is retried after the backoff delay and, once live, polling stops.
     await waitFor(() => h.sockets.length === 2);
     h.sockets[1].open();
-    h.sockets[1].send({ type: 'snapshot', ...payload({ leases: [lease('pushed')] }) });
+    h.sockets[1].send({
+      type: 'snapshot',
+      ...payload({ leases: [lease('pushed')] })
+    });
     expect(h.model.connection).toBe('live');
     expect(h.model.status?.leases.map(l => l.id)).toEqual(['pushed']);
     const calls = h.client.calls.getStatus;
@@ -380,7 +465,10 @@ describe('GPUSchedModel', () => {
 
   it('goes offline when neither socket nor REST answers, and recovers', async () => {
     h = harness();
-    h.client.failWith = new GPUSchedError('The GPU scheduler is not available', 404);
+    h.client.failWith = new GPUSchedError(
+      'The GPU scheduler is not available',
+      404
+    );
     h.model.start();
     h.sockets[0].fail();
     await waitFor(() => h.model.connection === 'offline');
@@ -422,7 +510,10 @@ describe('GPUSchedModel', () => {
     h = harness();
     h.model.start();
     h.sockets[0].open();
-    h.sockets[0].send({ type: 'snapshot', ...payload({ leases: [lease('a'), lease('b')] }) });
+    h.sockets[0].send({
+      type: 'snapshot',
+      ...payload({ leases: [lease('a'), lease('b')] })
+    });
 
     await h.model.keep('a');
     expect(h.client.keepLease).toHaveBeenCalledWith('a', 1800);
@@ -464,12 +555,29 @@ describe('GPUSchedModel', () => {
       ...payload({ user: 'alice', is_admin: true, time: T0 / 1000 }),
       backend_note: null,
       unleased_processes: [],
-      queue: [{ lease_id: 'w', kernel_id: null, user: 'another user', position: 1, count: 2 }]
+      queue: [
+        {
+          lease_id: 'w',
+          kernel_id: null,
+          user: 'another user',
+          position: 1,
+          count: 2
+        }
+      ]
     });
-    expect(h.model.status?.queue[0]).toMatchObject({ lease_id: 'w', position: 1, count: 2 });
+    expect(h.model.status?.queue[0]).toMatchObject({
+      lease_id: 'w',
+      position: 1,
+      count: 2
+    });
     socket.send({
       type: 'lease',
-      lease: lease('a', { kernel_id: 'k', mine: true, count: 1, reason: 'granted' })
+      lease: lease('a', {
+        kernel_id: 'k',
+        mine: true,
+        count: 1,
+        reason: 'granted'
+      })
     });
     socket.send({
       type: 'notice',
@@ -482,7 +590,11 @@ describe('GPUSchedModel', () => {
       state: 'reclaiming'
     });
     expect(h.model.leaseOfKernel('k')?.mine).toBe(true);
-    expect(notices[0]).toMatchObject({ kind: 'reclaim_warning', user: 'alice', state: 'reclaiming' });
+    expect(notices[0]).toMatchObject({
+      kind: 'reclaim_warning',
+      user: 'alice',
+      state: 'reclaiming'
+    });
   });
 
   it('lets action errors reach the caller', async () => {
@@ -497,10 +609,16 @@ describe('GPUSchedModel', () => {
     h = harness();
     h.model.start();
     h.sockets[0].open();
-    h.sockets[0].send({ type: 'snapshot', ...payload({ time: (T0 + 90000) / 1000 }) });
+    h.sockets[0].send({
+      type: 'snapshot',
+      ...payload({ time: (T0 + 90000) / 1000 })
+    });
     expect(h.model.now()).toBe(T0 + 90000);
     // A server time a tick old is not clock skew.
-    h.sockets[0].send({ type: 'snapshot', ...payload({ time: (T0 - 2000) / 1000 }) });
+    h.sockets[0].send({
+      type: 'snapshot',
+      ...payload({ time: (T0 - 2000) / 1000 })
+    });
     expect(h.model.now()).toBe(T0);
 
     const before = h.changes();

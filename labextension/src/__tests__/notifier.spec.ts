@@ -3,7 +3,12 @@ import type { ReadonlyJSONValue } from '@lumino/coreutils';
 
 import { INotice } from '../api';
 import { GPUSchedModel } from '../model';
-import { GPUSchedNotifier, INotificationSink, MAX_MESSAGE, noticeSentence } from '../notifier';
+import {
+  GPUSchedNotifier,
+  INotificationSink,
+  MAX_MESSAGE,
+  noticeSentence
+} from '../notifier';
 import { FakeClient } from './fakes';
 import { device, iso, lease, payload, T0 } from './fixtures';
 
@@ -30,7 +35,9 @@ class FakeSink implements INotificationSink {
   }
 
   update(args: Notification.IUpdate<ReadonlyJSONValue>): boolean {
-    const item = this.shown.find(shown => shown.id === args.id && !shown.dismissed);
+    const item = this.shown.find(
+      shown => shown.id === args.id && !shown.dismissed
+    );
     if (!item) {
       return false;
     }
@@ -96,7 +103,11 @@ describe('GPUSchedNotifier', () => {
             device_indices: [0],
             state: 'idle'
           }),
-          lease('B1', { kernel_id: 'bob-kernel', user: 'bob', devices: ['GPU-1'] })
+          lease('B1', {
+            kernel_id: 'bob-kernel',
+            user: 'bob',
+            devices: ['GPU-1']
+          })
         ]
       })
     });
@@ -116,7 +127,8 @@ describe('GPUSchedNotifier', () => {
       notice: notice('queued', { position: 2, message: 'all 2 GPUs are busy' })
     });
     expect(sink.last).toMatchObject({
-      message: 'GPU request for Train.ipynb queued at position 2: all 2 GPUs are busy',
+      message:
+        'GPU request for Train.ipynb queued at position 2: all 2 GPUs are busy',
       type: 'info'
     });
   });
@@ -135,7 +147,10 @@ describe('GPUSchedNotifier', () => {
 
   it('counts down to a reclaim and offers to keep the GPU', async () => {
     notifier.handle(
-      notice('reclaim_warning', { reclaim_at: iso(T0 + 60000), message: 'bob is waiting' })
+      notice('reclaim_warning', {
+        reclaim_at: iso(T0 + 60000),
+        message: 'bob is waiting'
+      })
     );
     const warning = sink.last;
     expect(warning.type).toBe('warning');
@@ -148,7 +163,9 @@ describe('GPUSchedNotifier', () => {
 
     now += 1000;
     jest.advanceTimersByTime(1000);
-    expect(warning.message).toBe('GPU 0 of Train.ipynb will be reclaimed in 0:59 — bob is waiting');
+    expect(warning.message).toBe(
+      'GPU 0 of Train.ipynb will be reclaimed in 0:59 — bob is waiting'
+    );
 
     actions[0].callback(new MouseEvent('click'));
     expect(client.keepLease).toHaveBeenCalledWith('L1', 1800);
@@ -173,20 +190,26 @@ describe('GPUSchedNotifier', () => {
   it('drops the countdown when the kernel becomes active again', () => {
     notifier.handle(notice('reclaim_warning', { reclaim_at: iso(T0 + 60000) }));
     const warning = sink.last;
-    model.handleEvent({ type: 'lease', lease: { id: 'L1', state: 'active', reclaim_at: null } });
+    model.handleEvent({
+      type: 'lease',
+      lease: { id: 'L1', state: 'active', reclaim_at: null }
+    });
     expect(warning.dismissed).toBe(true);
     jest.advanceTimersByTime(5000);
     expect(warning.message).toContain('1:00');
   });
 
   it('reports a failed keep', async () => {
-    client.keepLease.mockRejectedValueOnce(new Error('keep is limited to 10 min'));
+    client.keepLease.mockRejectedValueOnce(
+      new Error('keep is limited to 10 min')
+    );
     notifier.handle(notice('reclaim_warning', { reclaim_at: iso(T0 + 60000) }));
     (sink.last.options.actions ?? [])[0].callback(new MouseEvent('click'));
     await Promise.resolve();
     await Promise.resolve();
     expect(sink.last).toMatchObject({
-      message: 'Could not keep the GPU of Train.ipynb: keep is limited to 10 min',
+      message:
+        'Could not keep the GPU of Train.ipynb: keep is limited to 10 min',
       type: 'error'
     });
   });
@@ -194,12 +217,18 @@ describe('GPUSchedNotifier', () => {
   it('tells about suspend, resume and loss', () => {
     notifier.handle(notice('suspended'));
     expect(sink.last).toMatchObject({
-      message: 'GPU of Train.ipynb suspended; it is restored when the next cell runs',
+      message:
+        'GPU of Train.ipynb suspended; it is restored when the next cell runs',
       type: 'info'
     });
     notifier.handle(notice('resumed'));
-    expect(sink.last).toMatchObject({ message: 'GPU 0 resumed for Train.ipynb', type: 'success' });
-    notifier.handle(notice('lost', { message: 'Xid 79: GPU fell off the bus' }));
+    expect(sink.last).toMatchObject({
+      message: 'GPU 0 resumed for Train.ipynb',
+      type: 'success'
+    });
+    notifier.handle(
+      notice('lost', { message: 'Xid 79: GPU fell off the bus' })
+    );
     expect(sink.last).toMatchObject({
       message: 'GPU of Train.ipynb lost: Xid 79: GPU fell off the bus',
       type: 'error'
@@ -210,10 +239,13 @@ describe('GPUSchedNotifier', () => {
   it('ends the countdown when the reclaim is called off', () => {
     notifier.handle(notice('reclaim_warning', { reclaim_at: iso(T0 + 60000) }));
     const warning = sink.last;
-    notifier.handle(notice('reclaim_cancelled', { message: 'the kernel ran a cell' }));
+    notifier.handle(
+      notice('reclaim_cancelled', { message: 'the kernel ran a cell' })
+    );
     expect(warning.dismissed).toBe(true);
     expect(sink.last).toMatchObject({
-      message: 'Reclaim of GPU 0 of Train.ipynb cancelled: the kernel ran a cell',
+      message:
+        'Reclaim of GPU 0 of Train.ipynb cancelled: the kernel ran a cell',
       type: 'info'
     });
   });
@@ -224,7 +256,9 @@ describe('GPUSchedNotifier', () => {
     notifier.handle(notice('kept', { message: 'Kept for 30m' }));
     await Promise.resolve();
     await Promise.resolve();
-    expect(sink.visible.map(item => item.message)).toEqual(['GPU of Train.ipynb kept for 30 min']);
+    expect(sink.visible.map(item => item.message)).toEqual([
+      'GPU of Train.ipynb kept for 30 min'
+    ]);
   });
 
   it('tells about a keep from elsewhere (the %gpu magic)', () => {
@@ -236,34 +270,50 @@ describe('GPUSchedNotifier', () => {
   });
 
   it('tells about releases and disruptive reclaims', () => {
-    notifier.handle(notice('released', { message: 'Your GPU lease was released by admin' }));
+    notifier.handle(
+      notice('released', { message: 'Your GPU lease was released by admin' })
+    );
     expect(sink.last).toMatchObject({
       message: 'GPU of Train.ipynb released by admin',
       type: 'info'
     });
     notifier.handle(
-      notice('reclaimed', { message: 'reclaimed: the kernel was restarted to free its GPU' })
+      notice('reclaimed', {
+        message: 'reclaimed: the kernel was restarted to free its GPU'
+      })
     );
     expect(sink.last).toMatchObject({
-      message: 'GPU of Train.ipynb reclaimed: the kernel was restarted to free its GPU',
+      message:
+        'GPU of Train.ipynb reclaimed: the kernel was restarted to free its GPU',
       type: 'warning'
     });
     expect(sink.visible).toHaveLength(1);
   });
 
   it('names kernels it cannot place', () => {
-    notifier.handle(notice('granted', { lease_id: 'X9', kernel_id: 'abcdef0123456789' }));
+    notifier.handle(
+      notice('granted', { lease_id: 'X9', kernel_id: 'abcdef0123456789' })
+    );
     expect(sink.last.message).toBe('GPU granted to kernel abcdef01');
   });
 
   it('shows unknown kinds by their message', () => {
-    notifier.handle(notice('freed_cache', { message: 'Freed 12 GiB of cached memory' }));
-    expect(sink.last).toMatchObject({ message: 'Freed 12 GiB of cached memory', type: 'info' });
+    notifier.handle(
+      notice('freed_cache', { message: 'Freed 12 GiB of cached memory' })
+    );
+    expect(sink.last).toMatchObject({
+      message: 'Freed 12 GiB of cached memory',
+      type: 'info'
+    });
   });
 
   it("stays quiet about other users' leases", () => {
-    notifier.handle(notice('granted', { lease_id: 'B1', kernel_id: 'bob-kernel' }));
-    notifier.handle(notice('granted', { lease_id: null, kernel_id: null, user: 'bob' }));
+    notifier.handle(
+      notice('granted', { lease_id: 'B1', kernel_id: 'bob-kernel' })
+    );
+    notifier.handle(
+      notice('granted', { lease_id: null, kernel_id: null, user: 'bob' })
+    );
     expect(sink.shown).toHaveLength(0);
   });
 
@@ -304,17 +354,29 @@ describe('notification wording', () => {
   const SERVER: Array<[string, string]> = [
     ['queued', 'waiting for a GPU'],
     ['queued', 'waiting for a GPU to restore onto'],
-    ['released', 'released while idle: the kernel held no GPU memory; its next cell asks again'],
+    [
+      'released',
+      'released while idle: the kernel held no GPU memory; its next cell asks again'
+    ],
     ['released', 'Your GPU lease was released by root'],
     [
       'reclaimed',
       'reclaimed: the kernel was restarted to free its GPU (idle 1m 05s while 1 kernel waits (borrowed capacity))'
     ],
-    ['suspended', 'suspended: GPU state checkpointed to host memory; the next cell restores it'],
+    [
+      'suspended',
+      'suspended: GPU state checkpointed to host memory; the next cell restores it'
+    ],
     ['kept', 'Kept for 30m'],
     ['resumed', 'restored onto GPU 0'],
-    ['lost', "restore failed, the kernel's GPU state is lost: CUDA_ERROR_ILLEGAL_STATE"],
-    ['free_cache', 'the kernel holds more than its share: dropping framework caches']
+    [
+      'lost',
+      "restore failed, the kernel's GPU state is lost: CUDA_ERROR_ILLEGAL_STATE"
+    ],
+    [
+      'free_cache',
+      'the kernel holds more than its share: dropping framework caches'
+    ]
   ];
 
   let model: GPUSchedModel;
@@ -331,11 +393,19 @@ describe('notification wording', () => {
       clock: () => T0,
       standby: 'never'
     });
-    model.localKernels = new Map([[KERNEL, 'projects/a-notebook-with-a-rather-long-name-2024.ipynb']]);
+    model.localKernels = new Map([
+      [KERNEL, 'projects/a-notebook-with-a-rather-long-name-2024.ipynb']
+    ]);
     model.handleEvent({
       type: 'snapshot',
       status: payload({
-        leases: [lease('L1', { kernel_id: KERNEL, devices: ['GPU-0'], device_indices: [0] })]
+        leases: [
+          lease('L1', {
+            kernel_id: KERNEL,
+            devices: ['GPU-0'],
+            device_indices: [0]
+          })
+        ]
       })
     });
     sink = new FakeSink();
@@ -347,24 +417,30 @@ describe('notification wording', () => {
     model.dispose();
   });
 
-  it.each(SERVER)('says %s with "%s" in one whole sentence', (kind, message) => {
-    notifier.handle(notice(kind, { message, position: 1 }));
-    const shown = sink.last.message;
-    expect(shown.length).toBeLessThanOrEqual(MAX_MESSAGE);
-    expect(shown).not.toMatch(/…$/);
-    expect(shown).not.toMatch(/\.\s+\S/);
-    expect(repeatedPairs(shown)).toEqual([]);
-    expect(balancedParens(shown)).toBe(true);
-  });
+  it.each(SERVER)(
+    'says %s with "%s" in one whole sentence',
+    (kind, message) => {
+      notifier.handle(notice(kind, { message, position: 1 }));
+      const shown = sink.last.message;
+      expect(shown.length).toBeLessThanOrEqual(MAX_MESSAGE);
+      expect(shown).not.toMatch(/…$/);
+      expect(shown).not.toMatch(/\.\s+\S/);
+      expect(repeatedPairs(shown)).toEqual([]);
+      expect(balancedParens(shown)).toBe(true);
+    }
+  );
 
   it('leaves out what the headline says already', () => {
-    notifier.handle(notice('queued', { message: 'waiting for a GPU', position: 1 }));
+    notifier.handle(
+      notice('queued', { message: 'waiting for a GPU', position: 1 })
+    );
     expect(sink.last.message).toBe(
       'GPU request for a-notebook-with-a-rather-l…me-2024.ipynb queued at position 1'
     );
     notifier.handle(
       notice('released', {
-        message: 'released while idle: the kernel held no GPU memory; its next cell asks again'
+        message:
+          'released while idle: the kernel held no GPU memory; its next cell asks again'
       })
     );
     expect(sink.last.message).toBe(
@@ -378,8 +454,12 @@ describe('notification wording', () => {
         'GPU of train.ipynb reclaimed',
         'reclaimed: the kernel was restarted to free its GPU (idle 1m 05s while 3 kernels of 2 users wait for a GPU of this model and size)'
       )
-    ).toBe('GPU of train.ipynb reclaimed: the kernel was restarted to free its GPU');
-    expect(noticeSentence('GPU of a.ipynb lost', 'x'.repeat(200))).toBe('GPU of a.ipynb lost');
+    ).toBe(
+      'GPU of train.ipynb reclaimed: the kernel was restarted to free its GPU'
+    );
+    expect(noticeSentence('GPU of a.ipynb lost', 'x'.repeat(200))).toBe(
+      'GPU of a.ipynb lost'
+    );
   });
 });
 

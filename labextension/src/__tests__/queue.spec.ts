@@ -105,9 +105,11 @@ class Sink implements INotificationSink {
     return true;
   }
   dismiss(id?: string): void {
-    this.shown.filter(item => id === undefined || item.id === id).forEach(item => {
-      item.dismissed = true;
-    });
+    this.shown
+      .filter(item => id === undefined || item.id === id)
+      .forEach(item => {
+        item.dismissed = true;
+      });
   }
   get visible(): string[] {
     return this.shown.filter(item => !item.dismissed).map(item => item.message);
@@ -127,42 +129,67 @@ describe('a new claim that must queue', () => {
     sockets[0].open();
     sockets[0].send(snapshot);
     expect(model.connection).toBe('live');
-    expect(summarizeKernel(model.status, model.leaseOfKernel(B), T0).text).toBe('GPU: none');
+    expect(summarizeKernel(model.status, model.leaseOfKernel(B), T0).text).toBe(
+      'GPU: none'
+    );
 
     sockets[0].send(pending);
     sockets[0].send(queued);
 
     expect(model.status?.queue).toEqual([
-      expect.objectContaining({ lease_id: 'lease-b', kernel_id: B, position: 1 })
+      expect.objectContaining({
+        lease_id: 'lease-b',
+        kernel_id: B,
+        position: 1
+      })
     ]);
     const summary = summarizeKernel(model.status, model.leaseOfKernel(B), T0);
     expect(summary).toMatchObject({ text: 'GPU: queued #1', state: 'pending' });
-    expect(sink.visible).toEqual(['GPU request for b.ipynb queued at position 1']);
+    expect(sink.visible).toEqual([
+      'GPU request for b.ipynb queued at position 1'
+    ]);
 
     // The magic asks again while it waits: the same lease comes back, nothing doubles.
     sockets[0].send(pending);
     sockets[0].send(queued);
     expect(model.status?.queue).toHaveLength(1);
-    expect(sink.visible).toEqual(['GPU request for b.ipynb queued at position 1']);
+    expect(sink.visible).toEqual([
+      'GPU request for b.ipynb queued at position 1'
+    ]);
 
     // A's lease still shows where it was.
-    expect(summarizeKernel(model.status, model.leaseOfKernel(A), T0).text).toMatch(/^GPU 0: /);
+    expect(
+      summarizeKernel(model.status, model.leaseOfKernel(A), T0).text
+    ).toMatch(/^GPU 0: /);
 
     notifier.dispose();
     model.dispose();
   });
 
   it('shows a queued claim that the REST status lists while the socket is down', async () => {
-    const { model, client } = harness({ openSocket: () => { throw new Error('no socket'); } });
+    const { model, client } = harness({
+      openSocket: () => {
+        throw new Error('no socket');
+      }
+    });
     client.status = {
       ...snapshot,
       leases: [held, pending.lease],
       queue: [
-        { lease_id: 'lease-b', kernel_id: B, user: 'root', position: 1, count: 1, waiting_since: null }
+        {
+          lease_id: 'lease-b',
+          kernel_id: B,
+          user: 'root',
+          position: 1,
+          count: 1,
+          waiting_since: null
+        }
       ]
     } as unknown as typeof client.status;
     await model.refresh();
-    expect(summarizeKernel(model.status, model.leaseOfKernel(B), T0).text).toBe('GPU: queued #1');
+    expect(summarizeKernel(model.status, model.leaseOfKernel(B), T0).text).toBe(
+      'GPU: queued #1'
+    );
     model.dispose();
   });
 });
