@@ -11,8 +11,8 @@ from .base import (
     DeviceSnapshot,
     GPUProcess,
     InventoryUnavailable,
-    open_backend,
 )
+from .open import open_backend
 
 __all__ = [
     "BACKENDS",

@@ -1,4 +1,4 @@
-"""The device interface: one snapshot type, the backend contract and how to open a backend.
+"""The device interface: one snapshot type and the backend contract.
 
 A backend answers one question, ``snapshot()``: every GPU of the host with its static facts and
 telemetry, read in one pass. Physical GPUs keep their driver index; MIG instances follow them,
@@ -9,13 +9,10 @@ numbered in the order of (parent index, instance), and name their physical GPU i
 from __future__ import annotations
 
 import abc
-import logging
 from dataclasses import dataclass
 from typing import Any
 
 from ..core.model import Device, Health
-
-log = logging.getLogger(__name__)
 
 OK = "ok"
 LOST = "lost"
@@ -158,46 +155,12 @@ class DeviceBackend(abc.ABC):
         self.close()
 
 
-def open_backend(name: str, simulated_devices: Any = 4, state_path: str | None = None) -> DeviceBackend:
-    """Open the backend called ``name``.
+def __getattr__(name: str) -> Any:
+    # ``open_backend`` lives in .open, which imports the backends, which import this module;
+    # resolving it on first use keeps ``from .devices.base import open_backend`` working
+    # without an import cycle.
+    if name == "open_backend":
+        from .open import open_backend
 
-    Args:
-        name: ``"nvml"``, ``"simulated"`` or ``"auto"``. ``auto`` is NVML when it loads and
-            finds a GPU; otherwise it raises, and the caller decides to run without GPUs and
-            warn. It never falls back to simulated GPUs on its own: that would hand people
-            fake devices without their asking.
-        simulated_devices: the simulated backend's devices (an int or a list of dicts).
-        state_path: the simulated backend's SQLite state file.
-
-    Raises:
-        InventoryUnavailable: NVML cannot be used; the message says what to do.
-        ValueError: an unknown backend name or a bad simulated configuration.
-    """
-    if name == "simulated":
-        from .simulated import SimulatedBackend
-
-        return SimulatedBackend(simulated_devices, state_path=state_path)
-    if name not in ("nvml", "auto"):
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, not {name!r}")
-
-    from .nvml import NvmlBackend
-
-    backend = NvmlBackend()
-    try:
-        count = backend.device_count()
-    except InventoryUnavailable as exc:
-        backend.close()
-        if name == "auto":
-            raise InventoryUnavailable(
-                f"{exc} Running without GPUs. To try jupyter-gpusched without a GPU, "
-                "set c.GPUSchedApp.backend = 'simulated'."
-            ) from None
-        raise
-    if count == 0:
-        backend.close()
-        raise InventoryUnavailable(
-            "The NVIDIA driver loaded but reports no GPU. Check `nvidia-smi -L`, and that the "
-            "server's environment can see the devices (container runtime, cgroups)."
-        )
-    log.info("NVML backend found %s GPU(s)", count)
-    return backend
+        return open_backend
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

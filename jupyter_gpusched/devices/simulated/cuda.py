@@ -1,0 +1,157 @@
+"""The kernel side: a fake CUDA for this process, over the state file the server shares.
+
+What user code calls inside a kernel (``simulated.allocate("16GiB")`` and the rest); the devices
+it may use come from ``CUDA_VISIBLE_DEVICES``, the state file from ``$JUPYTER_GPUSCHED_SIM_STATE``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+
+from ...core.units import format_bytes
+from .config import STATE_ENV
+from .state import SimulatedCudaError, as_bytes, as_percent, drop_dead, held_bytes, place, start_time, transaction
+
+__all__ = ["allocate", "free", "memory_allocated", "set_utilization", "visible_devices"]
+
+# The package's one logger, named as before the simulated backend became a package.
+log = logging.getLogger("jupyter_gpusched.devices.simulated")
+
+
+def _state_path() -> str:
+    path = os.environ.get(STATE_ENV)
+    if not path:
+        raise SimulatedCudaError(
+            f"{STATE_ENV} is not set: this process was not started by a jupyter-gpusched server "
+            "running the simulated backend"
+        )
+    return path
+
+
+def visible_devices() -> list[str]:
+    """UUIDs of the simulated GPUs this process may use, in ``CUDA_VISIBLE_DEVICES`` order.
+
+    Raises:
+        SimulatedCudaError: no device is visible, as CUDA would find none.
+    """
+    raw = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if raw is None:
+        raise SimulatedCudaError(
+            "no CUDA device: CUDA_VISIBLE_DEVICES is not set, so this process holds no GPU lease; "
+            "ask for one first (`%gpu acquire`)"
+        )
+    entries = [e.strip() for e in raw.split(",") if e.strip()]
+    if not entries or entries[0] in ("-1", "NoDevFiles"):
+        raise SimulatedCudaError(
+            "no CUDA device: CUDA_VISIBLE_DEVICES is empty, so this process holds no GPU; "
+            "ask for one first (`%gpu acquire`)"
+        )
+    with transaction(_state_path(), write=False) as conn:
+        rows = list(conn.execute("SELECT uuid, idx, parent_uuid FROM devices"))
+    by_index = {str(r["idx"]): r["uuid"] for r in rows if r["parent_uuid"] is None}
+    known = {r["uuid"] for r in rows}
+    uuids = []
+    for entry in entries:
+        uuid = by_index.get(entry, entry)
+        if uuid not in known:
+            # CUDA stops at the first entry it does not recognise.
+            break
+        uuids.append(uuid)
+    if not uuids:
+        raise SimulatedCudaError(f"no CUDA device: CUDA_VISIBLE_DEVICES={raw!r} names no simulated GPU on this host")
+    return uuids
+
+
+def _resolve(device: int | str | None) -> str:
+    visible = visible_devices()
+    if device is None:
+        return visible[0]
+    if isinstance(device, int) and not isinstance(device, bool):
+        if not 0 <= device < len(visible):
+            raise SimulatedCudaError(f"invalid device ordinal {device}: this process sees {len(visible)} GPU(s)")
+        return visible[device]
+    if device not in visible:
+        raise SimulatedCudaError(f"{device} is not visible to this process (CUDA_VISIBLE_DEVICES={','.join(visible)})")
+    return str(device)
+
+
+def _not_checkpointed(conn: sqlite3.Connection, pid: int) -> None:
+    if conn.execute("SELECT 1 FROM checkpoints WHERE pid = ?", (pid,)).fetchone():
+        raise SimulatedCudaError(f"process {pid} is checkpointed: its GPU memory is on the host until it is restored")
+
+
+def allocate(nbytes: int | str, device: int | str | None = None) -> str:
+    """Take ``nbytes`` of simulated GPU memory for this process.
+
+    Args:
+        nbytes: bytes, or a size such as "16GiB".
+        device: a CUDA ordinal among the visible devices, a visible UUID, or ``None`` for the
+            first visible device.
+
+    Returns:
+        The UUID of the device the memory is on.
+
+    Raises:
+        SimulatedOutOfMemory: it does not fit, counting what every process holds.
+        SimulatedCudaError: no visible device, or the device cannot run CUDA.
+        DeviceLost: the device is lost.
+    """
+    size = as_bytes(nbytes)
+    uuid = _resolve(device)
+    pid = os.getpid()
+    with transaction(_state_path(), write=True) as conn:
+        drop_dead(conn)
+        _not_checkpointed(conn, pid)
+        place(conn, uuid, pid, start_time(pid), size, None)
+    log.debug("simulated GPU %s: process %s allocated %s", uuid, pid, format_bytes(size))
+    return uuid
+
+
+def free(nbytes: int | str | None = None, device: int | str | None = None) -> int:
+    """Give back simulated GPU memory; returns the bytes freed.
+
+    ``free()`` lets go of everything on every device, as a process does when it releases its
+    CUDA context; ``free(n)`` gives back up to ``n`` bytes on ``device`` (default the first
+    visible one) and keeps the context.
+    """
+    pid = os.getpid()
+    path = _state_path()
+    if nbytes is None and device is None:
+        with transaction(path, write=True) as conn:
+            freed = held_bytes(conn, "processes", pid=pid)
+            conn.execute("DELETE FROM processes WHERE pid = ?", (pid,))
+            return freed
+    if nbytes is None:
+        uuid = _resolve(device)
+        with transaction(path, write=True) as conn:
+            freed = held_bytes(conn, "processes", pid=pid, uuid=uuid)
+            conn.execute("DELETE FROM processes WHERE pid = ? AND uuid = ?", (pid, uuid))
+            return freed
+    size = as_bytes(nbytes)
+    uuid = _resolve(device)
+    with transaction(path, write=True) as conn:
+        row = conn.execute("SELECT memory FROM processes WHERE pid = ? AND uuid = ?", (pid, uuid)).fetchone()
+        held = row["memory"] if row else 0
+        freed = min(held, size)
+        conn.execute("UPDATE processes SET memory = memory - ? WHERE pid = ? AND uuid = ?", (freed, pid, uuid))
+    return int(freed)
+
+
+def set_utilization(percent: float, device: int | str | None = None) -> None:
+    """Say how busy this process keeps ``device`` (percent of the GPU), as its kernels would."""
+    share = as_percent(percent, "utilization")
+    uuid = _resolve(device)
+    pid = os.getpid()
+    with transaction(_state_path(), write=True) as conn:
+        _not_checkpointed(conn, pid)
+        place(conn, uuid, pid, start_time(pid), 0, share)
+
+
+def memory_allocated(device: int | str | None = None) -> int:
+    """Bytes this process holds on ``device`` (default the first visible one)."""
+    uuid = _resolve(device)
+    with transaction(_state_path(), write=False) as conn:
+        row = conn.execute("SELECT memory FROM processes WHERE pid = ? AND uuid = ?", (os.getpid(), uuid)).fetchone()
+    return int(row["memory"]) if row else 0
