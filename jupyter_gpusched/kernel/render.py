@@ -15,8 +15,7 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime, timezone
 from typing import Any
 
-HOLDING = ("active", "idle", "reclaiming")
-LIVE = (*HOLDING, "pending", "suspended")
+from .states import HOLDING, LIVE  # noqa: F401 - the panel and the agent read them from here too
 
 _HIGHLIGHT = "background-color: rgba(76, 175, 80, 0.18); font-weight: bold;"
 

@@ -1,0 +1,102 @@
+"""Pointing CUDA at a lease's GPUs (``CUDA_VISIBLE_DEVICES``), and hiding them again after.
+
+CUDA reads the variable once, when it initializes: a kernel is bound by setting it before that,
+and one that initialized CUDA already is told plainly that only a restart moves it (see
+:mod:`.cuda` for how that is found out).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from . import render
+
+if TYPE_CHECKING:
+    from .agent import Agent
+
+log = logging.getLogger("jupyter_gpusched.kernel")
+
+
+class Binding:
+    """The kernel's ``CUDA_VISIBLE_DEVICES``, kept in step with its lease.
+
+    Args:
+        agent: reads its ``cuda_probe``, ``settings`` and ``environ`` and shows lines with ``_say``.
+    """
+
+    def __init__(self, agent: Agent):
+        self.agent = agent
+        cvd = agent.environ.get("CUDA_VISIBLE_DEVICES")
+        self.original = cvd
+        #: What this process's CUDA_VISIBLE_DEVICES was last set to (or found as).
+        self.bound: str | None = cvd
+        #: The binding the user was told is too late for (said once, not at every cell).
+        self.warned: str | None = None
+
+    def ensure(self, lease: Mapping[str, Any], *, resumed: bool = False) -> str | None:
+        """Point CUDA at the lease's devices if CUDA is not initialized yet; else say why not.
+
+        Returns the message shown, if any.
+        """
+        uuids = render.device_uuids(lease)
+        if not uuids:
+            return None
+        want = ",".join(uuids)
+        current = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if current == want:
+            self.bound = want
+            return None
+        if self.warned == want:
+            return None
+        state = self.agent.cuda_probe()
+        if not state.initialized:
+            os.environ["CUDA_VISIBLE_DEVICES"] = want
+            os.environ["NVIDIA_VISIBLE_DEVICES"] = want
+            self.bound = want
+            log.info("bound kernel to %s (lease %s)", want, lease.get("id"))
+            if state.loaded:
+                message = (
+                    f"This kernel now sees {render.gpu_label(lease)} ({want}). The CUDA library was "
+                    "already loaded, though not initialized; if CUDA code still cannot see the GPU, "
+                    "restart the kernel."
+                )
+                self.agent._say(message)
+                return message
+            return None
+        if resumed:
+            # The restore moved this process's CUDA context; nothing to change or to explain.
+            self.bound = want
+            return None
+        if current is None:
+            where = "with every GPU visible"
+        elif current.strip() == "":
+            where = "with no GPU visible"
+        else:
+            where = f"on {current}"
+        message = (
+            f"CUDA is already initialized in this kernel {where}; the new lease is on "
+            f"{render.gpu_label(lease)} ({want}). CUDA cannot switch GPUs in a running process: "
+            "restart the kernel to use it."
+        )
+        self.warned = want
+        self.agent._say(message)
+        return message
+
+    def unbind(self) -> None:
+        """After the lease ended: hide the GPUs again, if CUDA has not started on them."""
+        if not self.bound:
+            return
+        if self.agent.cuda_probe().initialized:
+            return
+        value = "" if self.agent.settings.provisioned else self.original
+        if value is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            os.environ.pop("NVIDIA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = value
+            os.environ["NVIDIA_VISIBLE_DEVICES"] = value or "none"
+        self.bound = value
+        self.warned = None

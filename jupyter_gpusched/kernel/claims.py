@@ -1,0 +1,340 @@
+"""Asking for GPUs: the claim loop with its live queue position, withdrawing, releasing, keeping.
+
+A claim is a ``POST api/gpusched/leases`` that the server long-polls; while it waits the user sees
+one line, updated in place, and an interrupt withdraws the claim (or, for a checkpointed kernel,
+leaves the restore queued).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from . import render
+from .client import GPUSchedError
+from .settings import MODES
+from .states import HOLDING, LIVE, LeaseState
+
+if TYPE_CHECKING:
+    from .agent import Agent
+
+
+class WaitCancelled(KeyboardInterrupt):
+    """The user interrupted a wait for a GPU; the claim was withdrawn (or left to restore)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"\x1b[0;31mWaitCancelled\x1b[0m: {self.message}"]
+
+
+class WaitDisplay:
+    """The live "Waiting for a GPU: position 2 in the queue..." line, updated in place."""
+
+    def __init__(self, agent: Agent, what: str):
+        self.agent = agent
+        self.what = what
+        self.display_id: str | None = None
+        self.text = ""
+
+    def show(self, text: str) -> None:
+        if text == self.text:
+            return
+        self.text = text
+        if self.display_id is None:
+            self.display_id = f"gpusched-wait-{time.monotonic_ns()}"
+            self.agent._display(text, None, self.display_id, False)
+        else:
+            self.agent._display(text, None, self.display_id, True)
+
+    def update(self, lease: Mapping[str, Any], waited: float) -> None:
+        position = lease.get("position")
+        where = f"position {position} in the queue" if position else "in the queue"
+        self.show(
+            f"Waiting for {self.what}: {where} (waited {render.format_duration(waited)})... "
+            "Interrupt the kernel to stop waiting."
+        )
+
+    def finish(self, text: str) -> None:
+        if self.display_id is not None:
+            self.show(text)
+
+
+def params_of(lease: Mapping[str, Any]) -> dict[str, Any]:
+    """The claim that asks for what ``lease`` holds (or held)."""
+    return {
+        "count": int(lease.get("count") or 1),
+        "memory": lease.get("memory"),
+        "mode": lease.get("mode") or "exclusive",
+        "priority": None,
+    }
+
+
+def wait_seconds(wait: object) -> float | None:
+    """``wait`` as seconds: ``None`` (or True) waits without a limit, False not at all."""
+    if wait is None or wait is True:
+        return None
+    if wait is False:
+        return 0.0
+    return render.parse_duration(wait, "wait")
+
+
+class Claims:
+    """Claims, releases and keeps for the agent's kernel.
+
+    Args:
+        agent: the facade: its client, lease cache, binding, watcher and ``_say``.
+    """
+
+    def __init__(self, agent: Agent):
+        self.agent = agent
+        #: True while the claim loop runs: it reads the lease itself, so the watcher stays quiet.
+        self.claiming = False
+        #: The last claim made (the hook makes it again when the lease is taken back).
+        self.last: dict[str, Any] | None = None
+
+    def claim(
+        self,
+        count: int,
+        memory: int | None,
+        mode: str,
+        priority: int | None,
+        wait: float | None,
+        *,
+        what: str = "a GPU",
+        resuming: bool = False,
+        show_wait: bool = True,
+    ) -> tuple[dict, bool, float]:
+        """POST claims until granted, the wait runs out, or the user interrupts.
+
+        Returns ``(lease, granted, seconds waited)``. ``wait`` ``None`` waits without a limit.
+        """
+        agent = self.agent
+        client = agent.client
+        start = agent.clock()
+        deadline = None if wait is None else start + wait
+        pending_id: str | None = None
+        progress = WaitDisplay(agent, what) if show_wait else None
+        self.claiming = True
+        first = True
+        try:
+            while True:
+                remaining = None if deadline is None else max(0.0, deadline - agent.clock())
+                chunk = agent.long_poll if remaining is None else min(agent.long_poll, remaining)
+                if first and show_wait:
+                    chunk = 0.0  # learn the queue position at once, to show it while waiting
+                first = False
+                sent = time.monotonic()
+                _, lease = client.claim(count, memory=memory, mode=mode, wait=chunk, priority=priority)
+                lease = dict(lease or {})
+                agent._set_lease(lease)
+                state = lease.get("state")
+                waited = agent.clock() - start
+                if state in HOLDING:
+                    if progress is not None:
+                        # Only a wait that was shown is finished; a claim served at once says nothing here.
+                        queued = f" after {render.format_duration(waited)} in the queue" if waited >= 1 else ""
+                        progress.finish(f"Got {render.gpu_label(lease)}{queued}.")
+                    return lease, True, waited
+                if state == LeaseState.RELEASED:
+                    raise GPUSchedError(
+                        f"The claim was turned down: {lease.get('reason') or 'the server released it'}."
+                    )
+                pending_id = lease.get("id") or pending_id
+                if remaining is not None and remaining <= chunk:
+                    if progress is not None and wait:
+                        progress.finish(f"No GPU became free within {render.format_duration(wait)}.")
+                    return lease, False, waited
+                if progress is not None:
+                    progress.update(lease, waited)
+                gap = agent.min_poll_gap - (time.monotonic() - sent)
+                if chunk > 0 and gap > 0:  # a server that answers early is not asked in a tight loop
+                    time.sleep(gap)
+        except KeyboardInterrupt:
+            message = self.withdraw(pending_id, resuming)
+            if progress is not None:
+                progress.finish(message)
+            raise WaitCancelled(message) from None
+        finally:
+            self.claiming = False
+
+    def withdraw(self, pending_id: str | None, resuming: bool) -> str:
+        """Take back a claim the user stopped waiting for; say what became of it."""
+        if resuming:
+            # Releasing would throw away the checkpointed GPU state; leave the restore queued.
+            return (
+                "Stopped waiting. This kernel's GPU state stays checkpointed and is restored when a "
+                "GPU frees up; run `%gpu release` to drop it instead."
+            )
+        agent = self.agent
+        try:
+            ids = (
+                [pending_id]
+                if pending_id
+                else [
+                    le["id"]
+                    for le in agent.client.leases(agent.client.kernel_id)
+                    if le.get("state") == LeaseState.PENDING
+                ]
+            )
+            for lease_id in ids:
+                agent.client.release(lease_id)
+                agent._released_by_me.add(lease_id)
+            agent._mark_withdrawn(ids)
+        except (GPUSchedError, KeyboardInterrupt) as err:
+            return f"Stopped waiting, but the request could not be withdrawn ({err}); run `%gpu release`."
+        return "Stopped waiting for a GPU; the request was withdrawn."
+
+    def params(
+        self, count: object, memory: object, mode: object, priority: object
+    ) -> tuple[int, int | None, str, int | None]:
+        """Check a claim's arguments, filling in the kernelspec's defaults (ValueError if bad)."""
+        settings = self.agent.settings
+        if count is None:
+            count = max(settings.gpus, 1)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"count must be a whole number of GPUs, at least 1 (not {count!r})")
+        if memory is None:
+            memory_bytes = settings.memory
+        else:
+            memory_bytes = render.parse_memory(memory)
+        if mode is None:
+            mode = settings.mode
+        if mode not in MODES:
+            raise ValueError(f"mode must be 'exclusive' or 'shared', not {mode!r}")
+        if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
+            raise ValueError(f"priority must be a whole number, not {priority!r}")
+        return count, memory_bytes, str(mode), priority
+
+    def acquire(
+        self,
+        count: int | None = None,
+        memory: int | str | None = None,
+        mode: str | None = None,
+        wait: float | str | bool | None = None,
+        priority: int | None = None,
+        *,
+        show_wait: bool = True,
+        quiet: bool = False,
+    ) -> dict:
+        """See :meth:`Agent.acquire`."""
+        agent = self.agent
+        count, memory_bytes, mode, priority = self.params(count, memory, mode, priority)
+        seconds = wait_seconds(wait)
+        previous = agent.refresh()
+        resuming = bool(previous and previous.get("state") == LeaseState.SUSPENDED)
+        agent._user_released = False
+        self.last = {"count": count, "memory": memory_bytes, "mode": mode, "priority": priority}
+        try:
+            lease, granted, _waited = self.claim(
+                count, memory_bytes, mode, priority, seconds, resuming=resuming, show_wait=show_wait
+            )
+        except GPUSchedError as err:
+            if err.status != 409:
+                raise
+            raise GPUSchedError(self.conflict(err), err.status, err.reason) from None
+        agent.start_watcher()
+        if granted:
+            agent.binding.ensure(lease, resumed=resuming)
+            if not quiet:
+                verb = "Restored this kernel's GPU state onto" if resuming else "This kernel holds"
+                agent._say(
+                    f"{verb} {render.gpu_label(lease)} ({render.uuid_list(render.device_uuids(lease))})."
+                )
+            return lease
+        position = lease.get("position")
+        if seconds == 0:
+            if not quiet:
+                agent._say(
+                    f"No GPU is free now: this kernel is at position {position or '?'} in the queue. "
+                    "It gets the GPU when one frees up and uses it from the next cell on."
+                )
+            return lease
+        message = self.withdraw(lease.get("id"), resuming)
+        raise GPUSchedError(
+            f"No GPU became free within {render.format_duration(seconds)} (this kernel was at position "
+            f"{position or '?'} in the queue). {message.replace('Stopped waiting for a GPU; the', 'The')}"
+        )
+
+    def conflict(self, err: GPUSchedError) -> str:
+        """The server's 409 in terms of this kernel's own lease, where it has one."""
+        try:
+            lease = self.agent.refresh()
+        except GPUSchedError:
+            return err.message
+        state = lease.get("state") if lease else None
+        if state in HOLDING:
+            return (
+                f"This kernel holds {render.gpu_label(lease)} ({lease.get('mode') or 'exclusive'}); "
+                "`%gpu release` first to ask for a different GPU."
+            )
+        if state == LeaseState.PENDING:
+            return (
+                f"This kernel is already waiting for {render.claim_label(lease)}; `%gpu release` first "
+                "to ask for something else."
+            )
+        if state == LeaseState.SUSPENDED:
+            return (
+                f"This kernel's GPU state ({render.claim_label(lease)}) is checkpointed and is restored "
+                "before its next cell; `%gpu release` first to ask for something else."
+            )
+        return err.message
+
+    def release(self, *, quiet: bool = False) -> dict | None:
+        """See :meth:`Agent.release`."""
+        agent = self.agent
+        lease = agent.refresh()
+        if not lease or lease.get("state") not in LIVE:
+            if not quiet:
+                agent._say("This kernel holds no GPU.")
+            return None
+        agent.client.release(lease["id"])
+        agent._released_by_me.add(lease["id"])
+        agent._user_released = True
+        was = lease.get("state")
+        released = {**lease, "state": LeaseState.RELEASED.value, "devices": [], "reason": "released by the user"}
+        agent._set_lease(released)
+        initialized = was in HOLDING and agent.cuda_probe().initialized
+        if was in HOLDING:
+            agent.binding.unbind()
+        if not quiet:
+            if was == LeaseState.PENDING:
+                text = "Withdrew this kernel's request for a GPU."
+            elif was == LeaseState.SUSPENDED:
+                text = "Released this kernel's checkpointed GPU state; CUDA in this kernel will not work until it restarts."
+            else:
+                text = f"Released {render.gpu_label(lease)}."
+                if initialized:
+                    text += (
+                        " CUDA is still initialized in this kernel and may hold memory on it: restart the "
+                        "kernel (or free its GPU memory) so that the next holder has the whole GPU."
+                    )
+            if agent.settings.auto_bind:
+                text += " This kernel takes no GPU again until you run `%gpu acquire`."
+            agent._say(text)
+        return released
+
+    def keep(self, duration: float | str = "30m", *, quiet: bool = False) -> dict:
+        """See :meth:`Agent.keep`."""
+        agent = self.agent
+        seconds = render.parse_duration(duration, "keep")
+        lease = agent.refresh()
+        if not lease or lease.get("state") not in LIVE:
+            raise GPUSchedError("This kernel holds no GPU to keep; run `%gpu acquire` first.")
+        kept = agent.client.keep(lease["id"], seconds)
+        agent._set_lease(kept)
+        if not quiet:
+            if seconds:
+                agent._say(
+                    f"{render.gpu_label(kept)} is kept for {render.format_duration(seconds)}: no idle "
+                    "reclaim before then."
+                )
+            else:
+                agent._say(f"{render.gpu_label(kept)} is no longer kept; idle reclaim applies again.")
+        return kept

@@ -1,0 +1,230 @@
+"""Before each cell: claim the kernelspec's GPU, bind it, restore a checkpoint, or stop the cell.
+
+A ``pre_run_cell`` hook prepares the cell; it cannot stop one (IPython catches its exceptions), so
+an AST transformer that runs right after the hooks rejects a cell the hook could not prepare (an
+interrupted wait, a failed restore).
+"""
+
+from __future__ import annotations
+
+import ast
+import logging
+import re
+import time
+import weakref
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from IPython.core.error import InputRejected
+
+from . import render
+from .claims import WaitCancelled, WaitDisplay, params_of
+from .client import GPUSchedError
+from .states import HOLDING, LeaseState, ReclaimStep
+
+if TYPE_CHECKING:
+    from .agent import Agent
+
+log = logging.getLogger("jupyter_gpusched.kernel")
+
+#: After a failed automatic acquire, later cells try again only after this many seconds.
+AUTO_RETRY_AFTER = 30.0
+
+
+class CellNotRun(InputRejected):
+    """Raised from the agent's AST gate so that a cell the hook could not prepare does not run."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"\x1b[0;31mCell not run\x1b[0m: {self.message}"]
+
+
+def manages_gpus_itself(cell: str) -> bool:
+    """Whether the pre-run hook should leave a cell alone.
+
+    A cell of ``%gpu`` magics only needs no GPU, and a cell that starts with ``%gpu acquire`` or
+    ``%gpu release`` says itself what it wants (the hook would otherwise take the kernelspec's
+    default first, and ``%gpu acquire 2`` would then conflict with it).
+    """
+    lines = [ln.strip() for ln in cell.splitlines()]
+    lines = [ln for ln in lines if ln and not ln.startswith("#")]
+    if not lines:
+        return False
+    if re.match(r"^%gpu\s+(acquire|release)\b", lines[0]):
+        return True
+    return all(re.match(r"^%{1,2}(gpu|load_ext|reload_ext|unload_ext)\b", ln) for ln in lines)
+
+
+class Gate(ast.NodeTransformer):
+    """Stops a cell that the pre-run hook could not prepare (interrupted wait, failed restore)."""
+
+    def __init__(self, hooks: Hooks):
+        self._hooks = weakref.ref(hooks)
+
+    def visit(self, node: ast.AST) -> ast.AST:
+        hooks = self._hooks()
+        message = hooks.take_abort() if hooks is not None else None
+        if message:
+            raise CellNotRun(message)
+        return node
+
+
+class Hooks:
+    """The pre-run hook and the gate of the agent's shell.
+
+    Args:
+        agent: the facade: its settings, lease cache, claims, binding, watcher and ``_say``.
+    """
+
+    def __init__(self, agent: Agent):
+        self.agent = agent
+        self.gate = Gate(self)
+        #: Why the cell being prepared must not run (read once by the gate).
+        self.abort: str | None = None
+        #: After a failed automatic claim, no new one before this (the agent's clock).
+        self.auto_retry_at = 0.0
+
+    def pre_run_cell(self, info: Any) -> None:
+        agent = self.agent
+        self.abort = None
+        agent._parent = getattr(agent.shell, "parent_header", None) or agent._parent
+        if not getattr(info, "store_history", True):
+            return  # tool executions (variable inspectors and such) must not take or restore GPUs
+        if manages_gpus_itself(getattr(info, "raw_cell", "") or ""):
+            return
+        try:
+            self.before_cell()
+        except WaitCancelled as err:
+            self.abort = err.message
+        except CellNotRun as err:
+            self.abort = err.message
+        except (GPUSchedError, ValueError) as err:
+            text = str(err).rstrip()
+            agent._say(f"GPU scheduler: {text}{'' if text.endswith('.') else '.'} This cell runs without a GPU.")
+        except Exception:
+            log.exception("gpusched pre-run hook failed")
+            agent._say("GPU scheduler: an internal error occurred (see the kernel log); this cell runs as is.")
+
+    def take_abort(self) -> str | None:
+        message, self.abort = self.abort, None
+        return message
+
+    def before_cell(self) -> None:
+        """Make sure the kernel holds (and is bound to) its lease before a cell runs."""
+        agent = self.agent
+        settings = agent.settings
+        lease = agent._current()
+        state = lease.get("state") if lease else None
+        if state == LeaseState.RECLAIMING and lease.get("reclaim_step") == ReclaimStep.CHECKPOINT:
+            lease = self.await_checkpoint(lease)
+            state = lease.get("state") if lease else None
+        if state in HOLDING:
+            agent.binding.ensure(lease)
+            return
+        if state == LeaseState.SUSPENDED:
+            self.resume(lease)
+            return
+        if state == LeaseState.PENDING:
+            if settings.auto_bind and not agent._user_released:
+                self.acquire_for_cell(params_of(lease), "a GPU")
+            return
+        if agent._user_released:
+            return
+        if state == LeaseState.RELEASED and lease.get("id") not in agent._released_by_me:
+            agent.binding.unbind()
+            self.acquire_for_cell(params_of(lease), "a GPU (the last one was taken back)")
+            return
+        if state == LeaseState.RELEASED:
+            lease = None  # withdrawn by this kernel: as if it never asked
+        last = agent.claims.last
+        if lease is None and agent._had_lease and last:
+            self.acquire_for_cell(last, "a GPU (the last one was taken back)")
+            return
+        if lease is None and settings.lazy:
+            if agent.clock() < self.auto_retry_at:
+                return
+            params = {"count": settings.gpus, "memory": settings.memory, "mode": settings.mode, "priority": None}
+            self.acquire_for_cell(params, "a GPU")
+
+    def acquire_for_cell(self, params: Mapping[str, Any], what: str) -> None:
+        agent = self.agent
+        agent.claims.last = dict(params)
+        try:
+            lease, granted, _waited = agent.claims.claim(
+                params["count"], params["memory"], params["mode"], params.get("priority"), None, what=what
+            )
+        except GPUSchedError:
+            self.auto_retry_at = agent.clock() + AUTO_RETRY_AFTER
+            raise
+        agent.start_watcher()
+        if granted:
+            message = agent.binding.ensure(lease)
+            if message is None:
+                agent._say(
+                    f"This kernel uses {render.gpu_label(lease)} ({render.uuid_list(render.device_uuids(lease))})."
+                )
+
+    def await_checkpoint(self, lease: dict) -> dict | None:
+        """A checkpoint is under way: it finishes first, then the restore follows."""
+        agent = self.agent
+        progress = WaitDisplay(agent, "the GPU checkpoint to finish before restoring")
+        start = agent.clock()
+        try:
+            while (
+                lease
+                and lease.get("state") == LeaseState.RECLAIMING
+                and lease.get("reclaim_step") == ReclaimStep.CHECKPOINT
+            ):
+                progress.show(
+                    "This kernel's GPU state is being checkpointed; the restore follows "
+                    f"(waited {render.format_duration(agent.clock() - start)})..."
+                )
+                time.sleep(min(agent.settings.poll, 1.0))
+                lease = agent.refresh()
+        except KeyboardInterrupt:
+            progress.finish("Stopped waiting for the checkpoint.")
+            raise WaitCancelled(
+                "Stopped waiting; the checkpoint finishes in the background and the next cell restores it."
+            ) from None
+        progress.finish("Checkpoint finished; restoring.")
+        return lease
+
+    def resume(self, lease: dict) -> None:
+        """Restore a checkpointed kernel onto a GPU (waiting for one if need be)."""
+        agent = self.agent
+        params = params_of(lease)
+        agent.claims.last = params
+        try:
+            resumed, granted, waited = agent.claims.claim(
+                params["count"],
+                params["memory"],
+                params["mode"],
+                None,
+                None,
+                what="a GPU to restore this kernel's GPU state onto",
+                resuming=True,
+            )
+        except GPUSchedError as err:
+            raise CellNotRun(
+                f"This kernel's GPU state is checkpointed and could not be restored: {err} "
+                "Run the cell again to retry."
+            ) from None
+        agent.start_watcher()
+        if granted:
+            agent.binding.ensure(resumed, resumed=True)
+            agent._say(
+                f"Restored this kernel's GPU state onto {render.gpu_label(resumed)} "
+                f"(in {render.format_duration(waited)})."
+            )
+
+    def first_cell_claim(self) -> dict | None:
+        """The claim the pre-run hook makes before the next cell, for a lazily bound kernel that
+        has never held a lease (``None``: it makes none by itself)."""
+        agent = self.agent
+        s = agent.settings
+        if not s.lazy or agent._user_released or agent._had_lease:
+            return None
+        return {"count": s.gpus, "memory": s.memory, "mode": s.mode}

@@ -1,0 +1,69 @@
+"""The states of a lease and the steps of a reclaim, as the server's lease JSON spells them.
+
+One place for the names (DESIGN section 8): the agent, the notices and the renderers compare a
+lease's ``state`` and ``reclaim_step`` with these members. They are ``str`` enums, so a member
+equals the string the server sends (``LeaseState.ACTIVE == "active"``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from enum import Enum
+from typing import Any
+
+
+class _Name(str, Enum):
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class LeaseState(_Name):
+    """``state`` of a lease."""
+
+    PENDING = "pending"
+    ACTIVE = "active"
+    IDLE = "idle"
+    RECLAIMING = "reclaiming"
+    SUSPENDED = "suspended"
+    RELEASED = "released"
+
+
+class ReclaimStep(_Name):
+    """``reclaim_step`` of a lease that is ``reclaiming``: the rung of the reclaim ladder."""
+
+    FREE_CACHE = "free-cache"
+    RELEASE = "release"
+    CHECKPOINT = "checkpoint"
+    RESTART = "restart"
+    SHUTDOWN = "shutdown"
+
+
+#: The lease holds its GPUs.
+HOLDING: tuple[LeaseState, ...] = (LeaseState.ACTIVE, LeaseState.IDLE, LeaseState.RECLAIMING)
+#: The lease is not over: it holds GPUs, waits for them, or keeps a checkpoint to restore.
+LIVE: tuple[LeaseState, ...] = (*HOLDING, LeaseState.PENDING, LeaseState.SUSPENDED)
+#: Reclaim steps that end the kernel's process and lose its variables.
+DISRUPTIVE_STEPS: tuple[ReclaimStep, ...] = (ReclaimStep.RESTART, ReclaimStep.SHUTDOWN)
+
+
+def state_of(lease: Mapping[str, Any] | None) -> LeaseState | None:
+    """The lease's state (``None`` for no lease, or a state this version does not know)."""
+    if not lease:
+        return None
+    try:
+        return LeaseState(lease.get("state"))
+    except ValueError:
+        return None
+
+
+def step_of(lease: Mapping[str, Any] | None) -> ReclaimStep | None:
+    """The lease's reclaim step (``None`` when there is none, or one this version does not know)."""
+    if not lease:
+        return None
+    try:
+        return ReclaimStep(lease.get("reclaim_step"))
+    except ValueError:
+        return None

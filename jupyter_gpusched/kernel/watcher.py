@@ -1,0 +1,135 @@
+"""The daemon thread that follows the kernel's lease and shows what changes.
+
+It only reads the server and publishes display messages (never executes code in the kernel, so
+the kernel never looks busy because of it). What to say comes from :func:`.notices.notices`; this
+module remembers what it shows (countdowns updated in place) and serves the server's free-cache
+requests once per reclaim.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+from . import notices as _notices
+from .client import GPUSchedError
+from .notices import COUNTDOWN_ENDS, Notice, NoticeKind
+
+if TYPE_CHECKING:
+    from .agent import Agent
+
+log = logging.getLogger("jupyter_gpusched.kernel")
+
+#: The watcher warns once after this many failed polls in a row.
+WATCH_FAILURES_BEFORE_NOTICE = 3
+
+
+class Watcher:
+    """Polls the kernel's lease every ``settings.poll`` seconds and reports each change.
+
+    Args:
+        agent: the facade: its settings, ``refresh``, claims, binding, ``free_caches``, ``clock``
+            and ``_say``.
+    """
+
+    def __init__(self, agent: Agent):
+        self.agent = agent
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failures = 0
+        #: display id -> the countdown text it shows now.
+        self._countdowns: dict[str, str] = {}
+        #: (lease id, reclaim_at) of free-cache requests served.
+        self._freed: set[tuple[Any, Any]] = set()
+
+    # -- the thread ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the daemon thread that follows this kernel's lease (once)."""
+        with self.agent._lock:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            if not self.agent._connected():
+                return
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name="gpusched-watcher", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        self._thread = None
+
+    @property
+    def watching(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.agent.settings.poll):
+            if self.agent.claims.claiming:
+                continue  # the claim loop reads the lease itself and says what it sees
+            try:
+                self.watch_once()
+            except Exception:
+                log.exception("gpusched watcher poll failed")
+
+    def watch_once(self) -> None:
+        """One poll: read the lease, act on ``free-cache``, show notices about changes."""
+        agent = self.agent
+        if not agent._connected():
+            return
+        try:
+            agent.refresh()
+        except GPUSchedError as err:
+            self._failures += 1
+            if self._failures == WATCH_FAILURES_BEFORE_NOTICE:
+                agent._say(f"GPU scheduler: lost contact ({err}). Notices pause until it answers again.")
+            return
+        self._failures = 0
+
+    # -- notices ------------------------------------------------------------------------------
+    def report(self, previous: dict | None, current: dict | None) -> None:
+        """Show what changed from ``previous`` to ``current`` (whoever read the lease calls this)."""
+        agent = self.agent
+        found = _notices.notices(
+            previous,
+            current,
+            agent.clock(),
+            released_by_me=agent._released_by_me,
+            asks_again=not agent._user_released,
+        )
+        for notice in found:
+            self._show(notice, current)
+
+    def _show(self, notice: Notice, current: dict | None) -> None:
+        say = self.agent._say
+        if notice.kind == NoticeKind.FREE_CACHE:
+            if notice.key not in self._freed:
+                self._freed.add(notice.key)
+                self._free_caches(notice, current or {})
+        elif notice.kind == NoticeKind.RECLAIM_WARNING:
+            display_id = notice.display_id or ""
+            if self._countdowns.get(display_id) != notice.text:
+                update = display_id in self._countdowns
+                self._countdowns[display_id] = notice.text
+                say(notice.text, notice.html, display_id, update)
+        elif notice.kind in COUNTDOWN_ENDS:
+            # Said only in place of a countdown on screen: no countdown shown, nothing to end.
+            if notice.display_id in self._countdowns:
+                del self._countdowns[notice.display_id]
+                say(notice.text, notice.html, notice.display_id, True)
+        else:
+            if notice.unbind:
+                with contextlib.suppress(Exception):
+                    self.agent.binding.unbind()
+            say(notice.text, notice.html, notice.display_id, notice.update)
+
+    def _free_caches(self, notice: Notice, lease: dict) -> None:
+        """Serve a free-cache request: drop the frameworks' caches and say which."""
+        freed = self.agent.free_caches()
+        text = _notices.freed_text(lease, freed)
+        if text:
+            self.agent._say(text)
