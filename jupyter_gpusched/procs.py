@@ -1,6 +1,9 @@
-"""What the host's process table says: process trees, ancestry, start times and CPU use.
+"""What the host's process table says: process identity and liveness, trees, ancestry, CPU use.
 
-The arbiter believes only what it can check here. In hub mode every process id a server reports
+The one home of "is this still that process": :func:`started` and :func:`same_process` for a pid
+with its start time, :func:`alive` for one that exited but was not reaped yet (a zombie holds no
+GPU, serves no request), and :class:`OwnerId` / :func:`is_alive` for owners recorded with their
+host. The arbiter believes only what it can check here. In hub mode every process id a server reports
 is checked against this table (it must descend from that server's own process, whose owner the
 broker verified), and "busy" needs CPU or GPU use that this table or NVML shows.
 """
@@ -10,12 +13,16 @@ from __future__ import annotations
 import hmac
 import os
 import pwd
-from typing import Iterable, Mapping
+import socket
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Protocol
 
 import psutil
 
 #: How far up the tree an ancestry check walks before it gives up (a deeper tree is refused).
 MAX_DEPTH = 64
+#: Two start times closer than this are one process: /proc/stat's boot time can move by a second.
+START_TIME_TOLERANCE = 1.0
 
 
 def started(pid: int) -> float | None:
@@ -26,10 +33,72 @@ def started(pid: int) -> float | None:
         return None
 
 
-def same_process(pid: int, create_time: float | None, tolerance: float = 1.0) -> bool:
+def same_process(pid: int, create_time: float | None, tolerance: float = START_TIME_TOLERANCE) -> bool:
     """Whether ``pid`` runs and is the process that started at ``create_time`` (not a reused pid)."""
     now = started(pid)
     return now is not None and (create_time is None or abs(now - create_time) < tolerance)
+
+
+def alive(pid: int, create_time: float | None = None) -> bool:
+    """Whether ``pid`` exists and has not exited, and (given ``create_time``) started then.
+
+    A zombie (exited, not reaped yet) is not alive: it runs no code and the driver has freed its
+    GPU contexts. A process this user may not inspect counts as alive, so that only a process
+    known to be gone is treated as gone.
+    """
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return create_time is None or abs(proc.create_time() - create_time) < START_TIME_TOLERANCE
+    except psutil.NoSuchProcess:  # ZombieProcess is one too
+        return False
+    except psutil.AccessDenied:
+        return True
+    except ValueError:  # a negative pid: no process has it
+        return False
+
+
+@dataclass(frozen=True)
+class OwnerId:
+    """A process, identified so that a reused pid is not mistaken for it.
+
+    ``create_time`` is the process start time as psutil reports it (seconds since the epoch).
+    """
+
+    pid: int
+    create_time: float
+    hostname: str
+
+    @classmethod
+    def current(cls) -> OwnerId:
+        """This process."""
+        return cls.of_pid(os.getpid())
+
+    @classmethod
+    def of_pid(cls, pid: int) -> OwnerId:
+        """The process running as ``pid`` on this host now (``psutil.NoSuchProcess`` if none)."""
+        return cls(pid, psutil.Process(pid).create_time(), socket.gethostname())
+
+
+class _Owned(Protocol):
+    """A record that names its process, such as a ledger ``Owner``."""
+
+    @property
+    def process(self) -> OwnerId: ...
+
+
+def is_alive(owner: OwnerId | _Owned) -> bool:
+    """Whether the owning process still runs.
+
+    Alive means a process with that pid exists, is not a zombie, and started when the recorded
+    one did. A process on another host, or one this user may not inspect, counts as alive:
+    only a process known to be gone may lose its leases.
+    """
+    ident = owner if isinstance(owner, OwnerId) else owner.process
+    if ident.hostname != socket.gethostname():
+        return True
+    return alive(ident.pid, ident.create_time)
 
 
 def _ppid(pid: int) -> int | None:

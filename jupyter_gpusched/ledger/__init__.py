@@ -33,9 +33,9 @@ The package, one module per concern: :mod:`.schema` (tables and migrations), :mo
 
 from __future__ import annotations
 
+from ..procs import START_TIME_TOLERANCE, OwnerId, is_alive
 from .audit import ACQUIRE_KINDS, CLAIM, FREE_KINDS, GRANT, RELEASE, RESTORE, SUSPEND
 from .errors import LedgerBusy, LedgerConflict, LedgerError
-from .owners import START_TIME_TOLERANCE, OwnerId, is_alive
 from .rows import LEASE_COLUMNS, Checkpoint, Event, Owner
 from .schema import MIGRATIONS, SCHEMA_VERSION
 from .store import ALLOW_SHARED_SETTING, Ledger

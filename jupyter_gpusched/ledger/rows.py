@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from ..core import Lease, LeaseState, Step
 from ..core.model import LIVE
-from .owners import OwnerId
+from ..procs import OwnerId
 
 __all__ = [
     "COLUMN_LIST",

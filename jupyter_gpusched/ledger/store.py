@@ -12,9 +12,9 @@ from typing import Any, Callable, Iterator, Sequence
 
 from .. import files
 from ..core import Device, Lease, released
+from ..procs import is_alive
 from .audit import check_history, check_state
 from .errors import LedgerBusy, LedgerError, is_busy
-from .owners import is_alive
 from .rows import (
     Checkpoint,
     Event,

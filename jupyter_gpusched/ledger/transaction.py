@@ -7,9 +7,9 @@ import os
 import sqlite3
 
 from ..core import Lease
+from ..procs import OwnerId
 from .audit import transition_events
 from .errors import LedgerConflict, LedgerError
-from .owners import OwnerId
 from .rows import (
     COLUMN_LIST,
     LEASE_COLUMNS,

@@ -7,6 +7,7 @@ import os
 import sqlite3
 from typing import Any, Mapping
 
+from ... import procs
 from ...core.units import format_bytes
 from ..base import LOST, OK, DeviceBackend, DeviceSnapshot, GPUProcess, InventoryUnavailable
 from .config import DEFAULT_SEED, STATE_ENV, SimulatedDevice, default_state_path, parse_devices
@@ -21,8 +22,6 @@ from .state import (
     held_bytes,
     init_state,
     place,
-    process_alive,
-    start_time,
     transaction,
 )
 
@@ -87,7 +86,7 @@ class SimulatedBackend(DeviceBackend):
                 rows = list(conn.execute("SELECT pid, started, uuid, memory, utilization FROM processes"))
                 faults = {r["field"] for r in conn.execute("SELECT field FROM faults")}
             # Liveness is checked outside the transaction: psutil is slow next to SQLite.
-            alive = {(r["pid"], r["started"]): process_alive(r["pid"], r["started"]) for r in rows}
+            alive = {(r["pid"], r["started"]): procs.alive(r["pid"], r["started"]) for r in rows}
             if not all(alive.values()):
                 with transaction(self.state_path, write=True) as conn:
                     drop_dead(conn)
@@ -173,7 +172,7 @@ class SimulatedBackend(DeviceBackend):
         """
         self._device(uuid)
         size, share = as_bytes(memory), as_percent(utilization, "utilization")
-        started = start_time(pid)
+        started = procs.started(pid)
         if started is None:
             raise ValueError(f"process {pid} is not running; simulated GPU memory needs a live process")
         with transaction(self.state_path, write=True) as conn:

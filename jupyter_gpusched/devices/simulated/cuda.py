@@ -10,9 +10,10 @@ import logging
 import os
 import sqlite3
 
+from ... import procs
 from ...core.units import format_bytes
 from .config import STATE_ENV
-from .state import SimulatedCudaError, as_bytes, as_percent, drop_dead, held_bytes, place, start_time, transaction
+from .state import SimulatedCudaError, as_bytes, as_percent, drop_dead, held_bytes, place, transaction
 
 __all__ = ["allocate", "free", "memory_allocated", "set_utilization", "visible_devices"]
 
@@ -104,7 +105,7 @@ def allocate(nbytes: int | str, device: int | str | None = None) -> str:
     with transaction(_state_path(), write=True) as conn:
         drop_dead(conn)
         _not_checkpointed(conn, pid)
-        place(conn, uuid, pid, start_time(pid), size, None)
+        place(conn, uuid, pid, procs.started(pid), size, None)
     log.debug("simulated GPU %s: process %s allocated %s", uuid, pid, format_bytes(size))
     return uuid
 
@@ -146,7 +147,7 @@ def set_utilization(percent: float, device: int | str | None = None) -> None:
     pid = os.getpid()
     with transaction(_state_path(), write=True) as conn:
         _not_checkpointed(conn, pid)
-        place(conn, uuid, pid, start_time(pid), 0, share)
+        place(conn, uuid, pid, procs.started(pid), 0, share)
 
 
 def memory_allocated(device: int | str | None = None) -> int:

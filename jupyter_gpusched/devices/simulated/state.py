@@ -14,9 +14,7 @@ import sqlite3
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-import psutil
-
-from ... import files
+from ... import files, procs
 from ...core.units import format_bytes, parse_memory
 from ..base import DeviceLost
 from .config import SimulatedDevice
@@ -34,8 +32,6 @@ __all__ = [
     "held_bytes",
     "init_state",
     "place",
-    "process_alive",
-    "start_time",
     "transaction",
 ]
 
@@ -185,26 +181,6 @@ def init_state(path: str, devices: Sequence[SimulatedDevice], allow_shared: bool
             )
 
 
-def start_time(pid: int) -> float | None:
-    try:
-        return psutil.Process(pid).create_time()
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return None
-
-
-def process_alive(pid: int, started: float | None) -> bool:
-    """Whether ``pid`` is still the process that took the memory (not a reused pid)."""
-    try:
-        proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return False  # it exited; the driver frees a context at exit, not at reaping
-        return started is None or abs(proc.create_time() - started) < 1.0
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.AccessDenied:
-        return True
-
-
 def drop_dead(conn: sqlite3.Connection) -> set[int]:
     """Forget the GPU memory of processes that exited, as the driver does."""
     dead = {
@@ -212,7 +188,7 @@ def drop_dead(conn: sqlite3.Connection) -> set[int]:
         for row in conn.execute(
             "SELECT DISTINCT pid, started FROM processes UNION SELECT DISTINCT pid, started FROM checkpoints"
         )
-        if not process_alive(row["pid"], row["started"])
+        if not procs.alive(row["pid"], row["started"])
     }
     for pid, started in dead:
         # Matched on the start time too: a new process that reused the pid keeps its own memory.
