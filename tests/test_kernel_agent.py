@@ -941,7 +941,10 @@ def test_panel_magic_shows_one_live_panel_that_stops_with_the_extension(shell, p
     assert "this kernel" in panel.rows[UUIDS[0]].holder.value
     assert run(shell, "%gpu panel").success and agent.panel_obj is panel  # shown again, not a second one
     deadline = time.monotonic() + 5
-    while panel.fetch_count < 3 and time.monotonic() < deadline:
+    # fetch_count counts reads begun: wait for the server to have answered them too.
+    while (
+        panel.fetch_count < 3 or provisioned.count("GET", "api/gpusched/status") < 3
+    ) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert provisioned.count("GET", "api/gpusched/status") >= 3
     shell.extension_manager.unload_extension("jupyter_gpusched")
