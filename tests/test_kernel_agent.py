@@ -67,6 +67,8 @@ class FakeScheduler:
         self.long_poll = False
         self.kernels = {KERNEL}
         self.max_keep = 7200
+        self.freed_endpoint = True  # False: an older server without POST leases/{id}/freed
+        self.freed: list[tuple[str, object]] = []  # (lease id, body) of free-cache acknowledgements
         self._next = 0
 
     # helpers the tests use
@@ -205,6 +207,9 @@ class FakeScheduler:
                         "reason": "bad input",
                     }
                 lease["keep_until"] = iso(seconds) if seconds else None
+                return 200, lease
+            if len(parts) == 3 and parts[2] == "freed" and method == "POST" and self.freed_endpoint:
+                self.freed.append((lease["id"], body))
                 return 200, lease
         return 404, {"message": "unknown endpoint", "reason": "not found"}
 
@@ -899,6 +904,41 @@ def test_watcher_notices_checkpoint_lost_gpu_and_free_cache(shell, provisioned):
     )
     agent.watch_once()
     assert shown.texts[-1].startswith(f"GPU lost: GPU 0: GPU 0 ({UUIDS[0]}) was lost")
+
+
+def test_the_agent_acknowledges_a_free_cache_step_with_what_it_freed(shell, provisioned):
+    agent, shown = load(shell)
+    agent.free_caches = lambda: ["torch"]
+    run(shell, "a = 1")
+    lease = provisioned.lease_of()
+    lease.update(state="reclaiming", reclaim_at=iso(), reclaim_step="free-cache", reason="over its memory")
+    agent.watch_once()
+    agent.watch_once()
+    assert provisioned.freed == [(lease["id"], {"frameworks": ["torch"]})]  # once per reclaim
+    method, path, headers, _ = next(r for r in provisioned.requests if r[1].endswith("/freed"))
+    assert (method, path) == ("POST", f"api/gpusched/leases/{lease['id']}/freed")
+    assert headers["x-gpusched-token"] == KERNEL_TOKEN
+    # The next reclaim's request is acknowledged too, also when nothing was freed.
+    agent.free_caches = list
+    lease["reclaim_at"] = iso(1)
+    agent.watch_once()
+    assert provisioned.freed[-1] == (lease["id"], {"frameworks": []})
+    assert "Freed cached GPU memory (torch) on GPU 0 because over its memory." in shown.texts
+
+
+def test_a_server_without_the_acknowledgement_endpoint_changes_nothing(shell, provisioned):
+    provisioned.freed_endpoint = False  # answers 404, as a server from before the endpoint does
+    agent, shown = load(shell)
+    agent.free_caches = lambda: ["torch"]
+    run(shell, "a = 1")
+    provisioned.lease_of().update(
+        state="reclaiming", reclaim_at=iso(), reclaim_step="free-cache", reason="over its memory"
+    )
+    agent.watch_once()
+    assert provisioned.count("POST", f"api/gpusched/leases/{provisioned.lease_of()['id']}/freed") == 1
+    assert "Freed cached GPU memory (torch) on GPU 0 because over its memory." in shown.texts
+    assert not any("GPU scheduler" in t for t in shown.texts)
+    assert run(shell, "b = 2").success
 
 
 def test_watcher_thread_polls_without_executing_and_stops_on_unload(shell, provisioned, monkeypatch):

@@ -315,6 +315,16 @@ class Client:
             "POST", f"api/gpusched/leases/{urllib.parse.quote(lease_id)}/keep", {"seconds": seconds}
         )[1]
 
+    def freed(self, lease_id: str, frameworks: list[str]) -> dict:
+        """``POST api/gpusched/leases/{id}/freed`` with ``{"frameworks": [...]}``: the kernel
+        freed its framework caches for the ``free-cache`` reclaim step (``frameworks`` names
+        those it freed, possibly none)."""
+        return self.request(
+            "POST",
+            f"api/gpusched/leases/{urllib.parse.quote(lease_id)}/freed",
+            {"frameworks": list(frameworks)},
+        )[1]
+
 
 def _running_servers(runtime_dir: str) -> list[dict]:
     """The ``jpserver-*.json`` files of live servers, newest first (as ``list_running_servers``)."""

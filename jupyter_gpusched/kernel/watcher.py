@@ -128,8 +128,24 @@ class Watcher:
             say(notice.text, notice.html, notice.display_id, notice.update)
 
     def _free_caches(self, notice: Notice, lease: dict) -> None:
-        """Serve a free-cache request: drop the frameworks' caches and say which."""
+        """Serve a free-cache request: drop the frameworks' caches, tell the server, say which."""
         freed = self.agent.free_caches()
+        self._acknowledge(notice.lease_id, freed)
         text = _notices.freed_text(lease, freed)
         if text:
             self.agent._say(text)
+
+    def _acknowledge(self, lease_id: str | None, frameworks: list[str]) -> None:
+        """Tell the server the free-cache step is done, so it need not wait polls to assume so.
+
+        Best effort: an older server without the endpoint (404) or one that does not answer
+        leaves the server to its own timing; neither may reach the user's cell or the watcher.
+        """
+        if not lease_id:
+            return
+        try:
+            self.agent.client.freed(lease_id, list(frameworks))
+        except GPUSchedError as err:
+            log.debug("lease %s: the server took no free-cache acknowledgement (%s)", lease_id, err)
+        except Exception:  # noqa: BLE001 - never into the user's cell, never stop the watcher
+            log.exception("lease %s: acknowledging the free-cache step failed", lease_id)
