@@ -7,16 +7,18 @@ server files in the Jupyter runtime directory (or ``--url`` and ``--token``).
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import sys
 import tempfile
-import urllib.error
-import urllib.request
 from typing import Any
 
 from .core import SchedulingError, format_bytes, format_duration, parse_memory
+from .rest import RestClient, RestError
+from .rest import running_servers as _running_servers
+
+#: Seconds a command waits for the server's answer.
+TIMEOUT = 30.0
 
 
 class CommandError(Exception):
@@ -28,29 +30,7 @@ def running_servers() -> list[dict]:
     """Server files of running Jupyter servers of this user, newest first."""
     from jupyter_core.paths import jupyter_runtime_dir
 
-    servers = []
-    for path in glob.glob(os.path.join(jupyter_runtime_dir(), "jpserver-*.json")):
-        try:
-            with open(path) as f:
-                info = json.load(f)
-        except (OSError, ValueError):
-            continue
-        pid = info.get("pid")
-        if pid and not _pid_alive(int(pid)):
-            continue
-        info["_mtime"] = os.path.getmtime(path)
-        servers.append(info)
-    return sorted(servers, key=lambda s: -s["_mtime"])
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return _running_servers(jupyter_runtime_dir())
 
 
 class Server:
@@ -59,6 +39,9 @@ class Server:
     def __init__(self, url: str, token: str = "") -> None:
         self.url = url if url.endswith("/") else url + "/"
         self.token = token
+        self._rest = RestClient(
+            self.url, token, headers={"Content-Type": "application/json"}, timeout=TIMEOUT
+        )
 
     @classmethod
     def find(cls, url: str | None, token: str | None) -> Server:
@@ -80,23 +63,14 @@ class Server:
         )
 
     def call(self, method: str, path: str, body: Any = None) -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + "api/gpusched/" + path, data=data, method=method)
-        req.add_header("Content-Type", "application/json")
-        if self.token:
-            req.add_header("Authorization", f"token {self.token}")
         try:
-            with urllib.request.urlopen(req, timeout=30) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as exc:
-            try:
-                message = json.loads(exc.read()).get("message") or exc.reason
-            except ValueError:
-                message = exc.reason
-            raise CommandError(f"{exc.code}: {message}") from None
-        except (urllib.error.URLError, OSError) as exc:
-            raise CommandError(f"cannot reach {self.url}: {exc}") from None
-        return json.loads(raw) if raw else None
+            return self._rest.request(method, "api/gpusched/" + path, body)[1]
+        except RestError as exc:
+            if exc.status is None:
+                raise CommandError(f"cannot reach {self.url}: {exc.cause}") from None
+            if exc.invalid_json:
+                raise CommandError(f"{self.url} answered {exc.status} with something that is not JSON") from None
+            raise CommandError(f"{exc.status}: {exc.message if exc.from_server else exc.http_reason}") from None
 
 
 # -- rendering ---------------------------------------------------------------------------------

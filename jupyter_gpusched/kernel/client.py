@@ -7,17 +7,13 @@ failure into :class:`GPUSchedError`, whose message is meant for a person.
 
 from __future__ import annotations
 
-import glob
-import json
 import os
-import ssl
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Mapping
 from typing import Any
 
 from .._version import __version__
+from ..rest import RestClient, RestError, running_servers
 
 #: Seconds a plain request may take before the client gives up.
 DEFAULT_TIMEOUT = 10.0
@@ -64,10 +60,6 @@ class NoServerError(GPUSchedError):
     """No Jupyter server with the GPU scheduler extension could be found for this kernel."""
 
 
-def _is_loopback(host: str | None) -> bool:
-    return host in ("localhost", "127.0.0.1", "::1", "[::1]") or bool(host and host.startswith("127."))
-
-
 class Client:
     """Talks to ``<base_url>api/gpusched/...`` on behalf of one kernel.
 
@@ -89,29 +81,25 @@ class Client:
         kernel_id: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
     ):
-        if not base_url.endswith("/"):
-            base_url += "/"
-        self.base_url = base_url
-        self.kernel_id = kernel_id
-        self.timeout = timeout
-        self._headers = {
+        headers = {
             "Accept": "application/json",
             "User-Agent": f"jupyter-gpusched-kernel/{__version__}",
         }
         if kernel_token:
-            self._headers[TOKEN_HEADER] = kernel_token
-        elif server_token:
-            self._headers["Authorization"] = f"token {server_token}"
-        handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]
-        parsed = urllib.parse.urlsplit(base_url)
-        if parsed.scheme == "https" and _is_loopback(parsed.hostname):
-            # A local server with a self-signed certificate is the common case; the traffic never
-            # leaves the host, so the certificate is not checked there.
-            context = ssl.create_default_context()
-            context.check_hostname = False
-            context.verify_mode = ssl.CERT_NONE
-            handlers.append(urllib.request.HTTPSHandler(context=context))
-        self._opener = urllib.request.build_opener(*handlers)
+            headers[TOKEN_HEADER] = kernel_token
+            server_token = None
+        self._rest = RestClient(base_url, server_token, headers=headers, timeout=timeout, local=True)
+        self.base_url = self._rest.base_url
+        self.kernel_id = kernel_id
+
+    @property
+    def timeout(self) -> float:
+        """Seconds for a request without long-polling."""
+        return self._rest.timeout
+
+    @timeout.setter
+    def timeout(self, value: float) -> None:
+        self._rest.timeout = value
 
     def __repr__(self) -> str:
         return f"Client({self.base_url!r}, kernel_id={self.kernel_id!r})"
@@ -146,7 +134,7 @@ class Client:
             from jupyter_core.paths import jupyter_runtime_dir
 
             runtime_dir = jupyter_runtime_dir()
-        servers = _running_servers(runtime_dir)
+        servers = running_servers(runtime_dir)
         if not servers:
             raise NoServerError(
                 f"No running Jupyter server was found (no jpserver-*.json in {runtime_dir}), so no "
@@ -189,10 +177,7 @@ class Client:
 
     # -- transport ---------------------------------------------------------------------------
     def url(self, path: str, query: Mapping[str, Any] | None = None) -> str:
-        url = self.base_url + path.lstrip("/")
-        if query:
-            url += "?" + urllib.parse.urlencode({k: v for k, v in query.items() if v is not None})
-        return url
+        return self._rest.url(path, query)
 
     def request(
         self,
@@ -204,52 +189,30 @@ class Client:
         timeout: float | None = None,
     ) -> tuple[int, Any]:
         """One request; returns ``(status, decoded JSON or None)`` or raises GPUSchedError."""
-        url = self.url(path, query)
-        data = None
-        headers = dict(self._headers)
-        if body is not None:
-            data = json.dumps(body).encode()
-            headers["Content-Type"] = "application/json"
-        req = urllib.request.Request(url, data=data, headers=headers, method=method)
-        limit = self.timeout if timeout is None else timeout
         try:
-            with self._opener.open(req, timeout=limit) as resp:
-                status = resp.status
-                raw = resp.read()
-        except urllib.error.HTTPError as err:
-            with err:
-                raw = err.read()
-            raise self._error(err.code, err.reason, raw, path) from None
-        except TimeoutError:
-            raise GPUSchedError(
-                f"The GPU scheduler at {self.base_url} did not answer within {limit:.0f} s."
-            ) from None
-        except (urllib.error.URLError, OSError) as err:
-            why = getattr(err, "reason", err)
-            raise GPUSchedError(
+            return self._rest.request(method, path, body, query, timeout=timeout)
+        except RestError as err:
+            raise self._error(err, path) from None
+
+    def _error(self, err: RestError, path: str) -> GPUSchedError:
+        """The failure in words for the person at the notebook."""
+        status, reason = err.status, err.reason
+        if status is None:
+            if err.timed_out:
+                return GPUSchedError(
+                    f"The GPU scheduler at {self.base_url} did not answer within {err.limit:.0f} s."
+                )
+            why = getattr(err.cause, "reason", err.cause)
+            return GPUSchedError(
                 f"Cannot reach the GPU scheduler at {self.base_url} ({why}). Is the Jupyter server "
                 "still running?"
-            ) from None
-        if not raw:
-            return status, None
-        try:
-            return status, json.loads(raw)
-        except ValueError:
-            raise GPUSchedError(
+            )
+        if err.invalid_json:
+            return GPUSchedError(
                 f"The GPU scheduler at {self.base_url} answered {status} with something that is not JSON."
-            ) from None
-
-    def _error(self, status: int, http_reason: str, raw: bytes, path: str) -> GPUSchedError:
-        message = reason = None
-        try:
-            payload = json.loads(raw) if raw else None
-        except ValueError:
-            payload = None
-        if isinstance(payload, dict):
-            message = payload.get("message") or None
-            reason = payload.get("reason") or None
-        if message:
-            return GPUSchedError(str(message), status, reason)
+            )
+        if err.from_server:
+            return GPUSchedError(err.message, status, reason)
         if status == 404 and path.startswith("api/gpusched"):
             return GPUSchedError(
                 f"The Jupyter server at {self.base_url} does not run the GPU scheduler (no "
@@ -259,12 +222,13 @@ class Client:
             )
         if status in (401, 403):
             return GPUSchedError(
-                f"The GPU scheduler at {self.base_url} refused this kernel's credentials ({status} {http_reason}).",
+                f"The GPU scheduler at {self.base_url} refused this kernel's credentials "
+                f"({status} {err.http_reason}).",
                 status,
                 reason,
             )
         return GPUSchedError(
-            f"The GPU scheduler at {self.base_url} answered {status} {http_reason}.", status, reason
+            f"The GPU scheduler at {self.base_url} answered {status} {err.http_reason}.", status, reason
         )
 
     # -- the API ----------------------------------------------------------------------------
@@ -325,35 +289,3 @@ class Client:
             {"frameworks": list(frameworks)},
         )[1]
 
-
-def _running_servers(runtime_dir: str) -> list[dict]:
-    """The ``jpserver-*.json`` files of live servers, newest first (as ``list_running_servers``)."""
-    found: list[tuple[float, dict]] = []
-    for path in glob.glob(os.path.join(runtime_dir, "jpserver-*.json")):
-        try:
-            with open(path, encoding="utf-8") as fh:
-                info = json.load(fh)
-            mtime = os.path.getmtime(path)
-        except (OSError, ValueError):
-            continue
-        if not isinstance(info, dict) or not info.get("url"):
-            continue
-        if info.get("sock"):
-            continue  # a Unix socket server: urllib cannot speak to it
-        if not _pid_alive(info.get("pid")):
-            continue
-        found.append((mtime, info))
-    found.sort(key=lambda pair: pair[0], reverse=True)
-    return [info for _, info in found]
-
-
-def _pid_alive(pid: object) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return True  # no pid recorded: let the HTTP check decide
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
