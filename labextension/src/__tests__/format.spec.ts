@@ -385,6 +385,7 @@ describe('idleOutlook', () => {
               step: 'checkpoint',
               at: iso(T0 + 3540_000),
               contended_at: iso(T0 + 60_000),
+              contended_by: 'anyone',
               reason: 'idle for an hour',
               ...forecast
             },

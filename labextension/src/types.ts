@@ -1,0 +1,264 @@
+/**
+ * The objects of the jupyter-gpusched REST and events contract (DESIGN.md section 8), as
+ * TypeScript types. The interfaces that mirror a schema of the served OpenAPI document
+ * (`GET /api/gpusched/openapi.json`) are checked against it by tests/test_frontend_contract.py,
+ * which reads this file: keep one property per line, and no values here.
+ *
+ * Times are ISO 8601 UTC strings; sizes are bytes.
+ */
+
+/** Health of a device. */
+export type DeviceHealth = 'ok' | 'lost' | 'drained';
+
+/** Lifecycle state of a lease (DESIGN.md section 4). */
+export type LeaseState =
+  'pending' | 'active' | 'idle' | 'reclaiming' | 'suspended' | 'released';
+
+/** How a lease uses its devices. */
+export type LeaseMode = 'exclusive' | 'shared';
+
+/** Where the arbiter runs. */
+export type SchedulerMode = 'standalone' | 'hub';
+
+/** Scheduling policy. */
+export type SchedulingPolicy = 'static' | 'dynamic' | 'hybrid';
+
+/** A process that uses a device. */
+export interface IDeviceProcess {
+  pid: number;
+  /** Bytes held on the device, `null` where the driver cannot tell. */
+  memory_used: number | null;
+  /** The kernel the process belongs to, `null` for a process outside any lease. */
+  kernel_id: string | null;
+}
+
+/** A schedulable GPU: a physical GPU or a MIG instance, keyed by UUID. */
+export interface IDevice {
+  uuid: string;
+  index: number;
+  name: string;
+  memory_total: number;
+  /** Bytes in use on the device, `null` where unsupported. */
+  memory_used: number | null;
+  /** Utilization in percent (0-100), `null` where unsupported. */
+  utilization: number | null;
+  health: DeviceHealth;
+  lease_ids: string[];
+  processes: IDeviceProcess[];
+  /** Why the device is drained, where the admin said. */
+  drain_reason?: string | null;
+  /** The physical GPU of a MIG instance. */
+  parent_uuid?: string | null;
+  mig_profile?: string | null;
+}
+
+/** The step that takes an idle lease back (the server spells the cache step `free-cache`). */
+export type IdleStep =
+  | 'release'
+  | 'checkpoint'
+  | 'free-cache'
+  | 'free_cache'
+  | 'restart'
+  | 'shutdown';
+
+/**
+ * What idle will do to a lease: which step takes it back and when, if its kernel stays idle.
+ */
+export interface IIdleForecast {
+  /** The step, `null` when none would (the lease stays until released). */
+  step: IdleStep | null;
+  /** When, if the kernel stays idle and nobody waits; `null` for never. */
+  at: string | null;
+  /** When, if someone waits for a GPU; `null` for never. */
+  contended_at: string | null;
+  /** Who makes `contended_at` apply by waiting: `anyone`, `same_user` (another kernel of the
+   * lease's user), `null` for nobody. */
+  contended_by: 'anyone' | 'same_user' | null;
+  /** Why, in words. */
+  reason: string;
+}
+
+/** A claim on GPUs and, once granted, the lease on them. */
+export interface ILease {
+  id: string;
+  /** `null` when the lease is held by another user whose kernels are not shown. */
+  kernel_id: string | null;
+  user: string;
+  /** Device UUIDs. */
+  devices: string[];
+  device_indices: number[];
+  /** Bytes per GPU, `null` for whole GPUs. */
+  memory: number | null;
+  mode: LeaseMode;
+  state: LeaseState;
+  /** Position in the queue (1 = next) while pending, else `null`. */
+  position: number | null;
+  granted_at: string | null;
+  last_active_at: string | null;
+  idle_seconds: number | null;
+  reclaim_at: string | null;
+  keep_until: string | null;
+  /** Path of the notebook the kernel serves, where known. */
+  notebook?: string | null;
+  /** Who holds the lease as shown to this user: a user name or "another user". */
+  holder?: string;
+  /** GPUs asked for. */
+  count?: number;
+  /** Whether this user may act on the lease (release, keep). */
+  mine?: boolean;
+  priority?: number;
+  created_at?: string | null;
+  /** The reclaim step under way or announced (`release`, `checkpoint`, ...). */
+  reclaim_step?: string | null;
+  /** Bytes the kernel's processes held on the GPU when last seen. */
+  memory_held?: number | null;
+  /** Why the lease is in its state, in words. */
+  reason?: string;
+  /** What idle would do to the lease, `null` when nothing is foreseen. */
+  idle_forecast?: IIdleForecast | null;
+}
+
+/**
+ * An entry of the queue. The contract does not fix its shape: the client accepts lease ids
+ * or objects and normalizes them to this (see `normalizeQueue`).
+ */
+export interface IQueueEntry {
+  lease_id: string;
+  /** 1-based position. */
+  position: number;
+  kernel_id?: string | null;
+  user?: string;
+  holder?: string;
+  count?: number;
+  notebook?: string | null;
+  waiting_since?: string | null;
+}
+
+/** A queue entry as it may come over the wire. */
+export interface IQueueEntryPayload {
+  lease_id?: string;
+  id?: string;
+  position?: number | null;
+  kernel_id?: string | null;
+  user?: string;
+  holder?: string;
+  count?: number;
+  notebook?: string | null;
+  waiting_since?: string | null;
+}
+
+/** Whether the host can suspend a kernel's GPU state instead of restarting it. */
+export interface ICheckpointInfo {
+  available: boolean;
+  reason: string;
+}
+
+/** The scheduling settings the server runs with (seconds). */
+export interface ISchedulerConfig {
+  idle_timeout?: number;
+  contended_idle_timeout?: number;
+  release_timeout?: number;
+  grace_period?: number;
+  reclaim_fallback?: string;
+  /** Longest keep the server accepts. */
+  max_keep?: number;
+  poll_interval?: number;
+}
+
+/** `GET /api/gpusched/status` as sent by the server. */
+export interface IStatusPayload {
+  mode: SchedulerMode;
+  /** Resolved inventory backend: `nvml`, `simulated`, or `none`. */
+  backend: string;
+  policy: SchedulingPolicy;
+  devices: IDevice[];
+  leases: ILease[];
+  queue: Array<IQueueEntryPayload | string>;
+  checkpoint?: ICheckpointInfo;
+  /** The user this server answers for. */
+  user?: string;
+  is_admin?: boolean;
+  /** Why the backend is what it is (for example why NVML did not load). */
+  backend_note?: string | null;
+  config?: ISchedulerConfig;
+  /** The server's clock when the status was taken, seconds since the epoch. */
+  time?: number;
+}
+
+/** The status as the client keeps it: the payload with a normalized queue. */
+export interface IStatus extends Omit<IStatusPayload, 'queue'> {
+  queue: IQueueEntry[];
+}
+
+/** Notice kinds the frontend knows how to present; others are shown with their message. */
+export type KnownNoticeKind =
+  | 'queued'
+  | 'granted'
+  | 'reclaim_warning'
+  | 'reclaim_cancelled'
+  | 'kept'
+  | 'suspended'
+  | 'resumed'
+  | 'released'
+  | 'reclaimed'
+  | 'free_cache'
+  | 'lost';
+
+/** A notice kind; unknown kinds are allowed. */
+export type NoticeKind = KnownNoticeKind | (string & Record<never, never>);
+
+/** Something a user should be told about one lease. */
+export interface INotice {
+  kind: NoticeKind;
+  lease_id: string | null;
+  kernel_id: string | null;
+  message: string;
+  /** When the reclaim happens (for `reclaim_warning`). */
+  reclaim_at?: string | null;
+  /** Queue position (for `queued`), where sent. */
+  position?: number | null;
+  /** The user the notice is for, where sent. */
+  user?: string;
+  /** The lease's state after the event, where sent. */
+  state?: LeaseState;
+}
+
+/** The full status; sent first on connect. */
+export interface ISnapshotEvent {
+  type: 'snapshot';
+  status: IStatusPayload;
+}
+
+/** A lease or part of one: the fields sent replace those kept. */
+export type LeaseUpdate = Partial<ILease> & { id: string };
+
+/** A device or part of one: the fields sent replace those kept. */
+export type DeviceUpdate = Partial<IDevice> & { uuid: string };
+
+/** One lease changed (state `released` means it is gone). */
+export interface ILeaseEvent {
+  type: 'lease';
+  lease: LeaseUpdate;
+}
+
+/** One device changed. */
+export interface IDeviceEvent {
+  type: 'device';
+  device: DeviceUpdate;
+}
+
+/** A notice for a user. */
+export interface INoticeEvent {
+  type: 'notice';
+  notice: INotice;
+}
+
+/** A message of `GET /api/gpusched/events`, normalized by `parseEvent`. */
+export type GPUSchedEvent =
+  ISnapshotEvent | ILeaseEvent | IDeviceEvent | INoticeEvent;
+
+/** Body of an error response. */
+export interface IErrorPayload {
+  message: string;
+  reason: string;
+}
