@@ -42,9 +42,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # hub_util: the real JupyterHub the hub tests start
 
 from jupyter_gpusched.arbiter import ArbiterError  # noqa: E402
-from jupyter_gpusched.hub.client import BrokerClient  # noqa: E402
+from jupyter_gpusched.arbiter.remote import BrokerClient  # noqa: E402
 from jupyter_gpusched.ledger import Ledger  # noqa: E402
-from jupyter_gpusched.views import Principal  # noqa: E402
+from jupyter_gpusched.api.views import Principal  # noqa: E402
 
 from hub_util import Hub  # noqa: E402
 
@@ -93,6 +93,15 @@ class FakeKernels:
 
     def notebook(self, kernel_id):
         return "load.ipynb"
+
+    async def refresh_notebooks(self):
+        return None
+
+    def adopted(self, kernel_id):
+        return None
+
+    def user_of(self, kernel_id):
+        return None
 
     async def restart(self, kernel_id):
         return None

@@ -24,9 +24,9 @@ from traitlets.config import Config
 
 from jupyter_gpusched.arbiter import Forbidden
 from jupyter_gpusched.hub.broker import GPUBroker
-from jupyter_gpusched.hub.client import BrokerClient
+from jupyter_gpusched.arbiter.remote import BrokerClient
 from jupyter_gpusched.ledger import Ledger
-from jupyter_gpusched.views import Principal
+from jupyter_gpusched.api.views import Principal
 
 from hub_util import free_port
 
@@ -95,8 +95,20 @@ class FakeKernels:
         pid = self.kernel_pid(kernel_id)
         return {pid} if pid else set()
 
+    def process_trees(self):
+        return {kid: self.process_tree(kid) for kid in self.procs}
+
     def notebook(self, kernel_id):
         return f"{kernel_id[:4]}.ipynb"
+
+    async def refresh_notebooks(self):
+        return None
+
+    def adopted(self, kernel_id):
+        return None
+
+    def user_of(self, kernel_id):
+        return None
 
     async def restart(self, kernel_id):
         self.orders.append(("restart", kernel_id))

@@ -16,8 +16,9 @@ tokens; the broker's (``hub/handlers.py``) through the hub. Nothing else differs
 
 from __future__ import annotations
 
+import contextlib
 import json
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Iterator
 
 from tornado import web
 
@@ -33,19 +34,9 @@ class APIMixin:
 
     scheduler: Any
     request: Any
-
     # The base class provides ``principal(action)`` and ``lease_url(lease_id)`` (see above).
     principal: Callable[[str], Awaitable[Principal]]
     lease_url: Callable[[str], str]
-
-    async def run(self, action: str, fn: Callable[[Principal], Awaitable[Any]]) -> Any:
-        from ..arbiter import ArbiterError
-
-        who = await self.principal(action)
-        try:
-            return await fn(who)
-        except ArbiterError as exc:
-            raise web.HTTPError(exc.status, exc.message.replace("%", "%%"), reason=exc.reason) from None
 
     def body(self) -> dict:
         """The JSON body as an object; 400 with a clear message otherwise."""
@@ -58,35 +49,47 @@ class APIMixin:
         self.finish(json.dumps(data))  # type: ignore[attr-defined]
 
 
+@contextlib.contextmanager
+def arbiter_errors() -> Iterator[None]:
+    """An :class:`~jupyter_gpusched.arbiter.base.ArbiterError` becomes its HTTP error."""
+    from ..arbiter.base import ArbiterError
+
+    try:
+        yield
+    except ArbiterError as exc:
+        raise web.HTTPError(exc.status, exc.message.replace("%", "%%"), reason=exc.reason) from None
+
+
 class StatusAPI(APIMixin):
     async def get(self) -> None:
-        self.reply(await self.run("read", self.scheduler.status))
+        who = await self.principal("read")
+        with arbiter_errors():
+            self.reply(await self.scheduler.status(who))
 
 
 class DevicesAPI(APIMixin):
     async def get(self) -> None:
-        self.reply(await self.run("read", self.scheduler.devices))
+        who = await self.principal("read")
+        with arbiter_errors():
+            self.reply(await self.scheduler.devices(who))
 
 
 class LeasesAPI(APIMixin):
     async def get(self) -> None:
         kernel_id = self.get_argument("kernel_id", None)  # type: ignore[attr-defined]
-
-        async def fn(who: Principal):
-            if who.kernel_id is not None and kernel_id not in (None, who.kernel_id):
-                raise web.HTTPError(403, "a kernel's token can only list that kernel's own lease")
-            return await self.scheduler.leases(who, kernel_id or who.kernel_id)
-
-        self.reply(await self.run("read", fn))
+        who = await self.principal("read")
+        if who.kernel_id is not None and kernel_id not in (None, who.kernel_id):
+            raise web.HTTPError(403, "a kernel's token can only list that kernel's own lease")
+        with arbiter_errors():
+            self.reply(await self.scheduler.leases(who, kernel_id or who.kernel_id))
 
     async def post(self) -> None:
+        """A claim: parsed here, decided by the arbiter (``arbiter/local.py`` ``claim``)."""
         with bad_input():
             req = api_input.claim(self.body())
-
-        async def fn(who: Principal):
-            return await self.scheduler.claim(who, req.kernel_id, req.count, req.memory, req.mode, req.priority, req.wait)
-
-        result = await self.run("write", fn)
+        who = await self.principal("write")
+        with arbiter_errors():
+            result = await self.scheduler.claim(who, req.kernel_id, req.count, req.memory, req.mode, req.priority, req.wait)
         if result.status == 201:
             self.set_header("Location", self.lease_url(result.lease["id"]))  # type: ignore[attr-defined]
         self.reply(result.lease, result.status)
@@ -94,10 +97,14 @@ class LeasesAPI(APIMixin):
 
 class LeaseAPI(APIMixin):
     async def get(self, lease_id: str) -> None:
-        self.reply(await self.run("read", lambda who: self.scheduler.lease(who, lease_id)))
+        who = await self.principal("read")
+        with arbiter_errors():
+            self.reply(await self.scheduler.lease(who, lease_id))
 
     async def delete(self, lease_id: str) -> None:
-        await self.run("write", lambda who: self.scheduler.release(who, lease_id))
+        who = await self.principal("write")
+        with arbiter_errors():
+            await self.scheduler.release(who, lease_id)
         self.set_status(204)  # type: ignore[attr-defined]
         self.finish()  # type: ignore[attr-defined]
 
@@ -106,7 +113,9 @@ class KeepAPI(APIMixin):
     async def post(self, lease_id: str) -> None:
         with bad_input():
             seconds = api_input.keep_seconds(self.body())
-        self.reply(await self.run("write", lambda who: self.scheduler.keep(who, lease_id, seconds)))
+        who = await self.principal("write")
+        with arbiter_errors():
+            self.reply(await self.scheduler.keep(who, lease_id, seconds))
 
 
 class FreedAPI(APIMixin):
@@ -115,15 +124,18 @@ class FreedAPI(APIMixin):
     async def post(self, lease_id: str) -> None:
         with bad_input():
             frameworks = api_input.frameworks(self.body())
-        self.reply(await self.run("write", lambda who: self.scheduler.cache_freed(who, lease_id, frameworks)))
+        who = await self.principal("write")
+        with arbiter_errors():
+            self.reply(await self.scheduler.cache_freed(who, lease_id, frameworks))
 
 
 class DrainAPI(APIMixin):
     async def post(self, uuid: str, action: str) -> None:
         with bad_input():
             reason = api_input.reason(self.body())
-        drained = action == "drain"
-        self.reply(await self.run("write", lambda who: self.scheduler.drain(who, uuid, drained, reason)))
+        who = await self.principal("write")
+        with arbiter_errors():
+            self.reply(await self.scheduler.drain(who, uuid, action == "drain", reason))
 
 
 class OpenAPIDocument(APIMixin):

@@ -17,6 +17,7 @@ from .model import (
     Device,
     Lease,
     LeaseState,
+    NoCapacity,
     SchedConfig,
     SchedulingError,
     Step,
@@ -75,8 +76,8 @@ def admit(claim: Lease, devices: Sequence[Device], leases: Iterable[Lease], cfg:
     healthy = schedulable(devices)
     if not healthy:
         if devices:
-            raise SchedulingError("every GPU on this host is drained or lost; none can be granted now")
-        raise SchedulingError("this host has no GPUs to schedule")
+            raise NoCapacity("every GPU on this host is drained or lost; none can be granted now")
+        raise NoCapacity("this host has no GPUs to schedule")
     if claim.memory is not None:
         largest = max(d.memory_total for d in healthy)
         if claim.memory > largest:

@@ -71,6 +71,10 @@ class SchedulingError(ValueError):
     """A request the core cannot accept; the message is meant for a person."""
 
 
+class NoCapacity(SchedulingError):
+    """Nothing on this host can ever hold the claim now: it has no GPUs, or all are drained or lost."""
+
+
 class ConflictError(SchedulingError):
     """A request that clashes with the current state (a second lease for one kernel, say)."""
 

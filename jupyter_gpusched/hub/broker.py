@@ -4,7 +4,7 @@ Run as a JupyterHub-managed service (``c.JupyterHub.services``). The broker owns
 the host's view of its GPUs and runs the same scheduling core as a standalone server; every call
 is authenticated with the hub (``HubAuth``): the user, their groups and whether they are a hub
 admin come from the hub, never from the caller. Each single-user server's extension is a client
-(:class:`~jupyter_gpusched.hub.client.BrokerClient`): it forwards its REST API here, keeps a
+(:class:`~jupyter_gpusched.arbiter.remote.BrokerClient`): it forwards its REST API here, keeps a
 websocket open for heartbeats (its kernels' activity and process ids) and carries out the
 restarts and shutdowns the broker orders on its own kernels.
 
@@ -37,8 +37,9 @@ from traitlets import Bool, Float, Int, TraitError, Unicode, default, validate
 from traitlets.config import Application
 
 from .._version import __version__
-from ..arbiter import LocalArbiter
-from ..config import SchedulingConfig, open_inventory
+from ..arbiter import HubPolicy
+from ..arbiter.build import build_local_arbiter
+from ..config import SchedulingConfig
 from .handlers import broker_handlers
 from .remote import RemoteKernels
 from .service import Broker, _gpu_use
@@ -146,6 +147,12 @@ class GPUBroker(SchedulingConfig, Application):
         across restarts for leases to survive them. Default: gpusched-broker@<hostname>.""",
     ).tag(config=True)
 
+    #: Set by :meth:`setup` (None until then).
+    arbiter = None
+    broker = None
+    http_server = None
+    _upkeep = None
+
     @default("broker_id")
     def _broker_id_default(self) -> str:
         return f"gpusched-broker@{socket.gethostname()}"
@@ -233,17 +240,7 @@ class GPUBroker(SchedulingConfig, Application):
         """Open the inventory and the ledger, start the arbiter and listen."""
         from jupyterhub.services.auth import HubOAuth
 
-        from ..ledger import Ledger
-        from ..metrics import Metrics
-        from ..reclaim.checkpoint import detect
-        
-        ledger_path = self.resolved_ledger_path()
-        os.makedirs(os.path.dirname(ledger_path) or ".", exist_ok=True)
-        state_path = self.simulated_state_path or os.path.join(os.path.dirname(ledger_path), "gpusched-simulated.sqlite")
-        backend, note = open_inventory(
-            self.backend, self.simulated_devices, state_path, self.log, allow_shared=self.allow_shared_state_files
-        )
-        self.ledger = Ledger(ledger_path, allow_shared=self.allow_shared_state_files)
+
         self.kernels = RemoteKernels(
             self.broker_id,
             heartbeat_timeout=self.heartbeat_timeout,
@@ -258,18 +255,16 @@ class GPUBroker(SchedulingConfig, Application):
             self.log.warning(
                 "verify_server_processes is off: the broker trusts the process each server names"
             )
-        self.arbiter = LocalArbiter(
-            cfg=self.sched_config(),
-            ledger=self.ledger,
-            backend=backend,
-            checkpointer=detect(backend, self.checkpoint),
+        self.arbiter, _ = build_local_arbiter(
+            self,
             kernels=self.kernels,
-            poll_interval=self.poll_interval,
-            backend_note=note,
+            log=self.log,
+            simulated_state_path=self.simulated_state_path,
             mode="hub",
             show_holders=self.show_holders,
-            metrics=Metrics(),
+            policy=HubPolicy(self.kernels),
         )
+        self.ledger = self.arbiter.ledger
         self.kernels.gpu_pids = lambda: {p.pid for d in self.arbiter.state.snapshot for p in d.processes}
         self.kernels.gpu_use = lambda: _gpu_use(self.arbiter.state.snapshot)
         self.broker = Broker(self.arbiter, self.kernels, heartbeat_interval=self.heartbeat_interval)
@@ -296,7 +291,7 @@ class GPUBroker(SchedulingConfig, Application):
         self.log.info(
             "GPU broker %s on %s%s: %s backend, %d GPU(s), ledger %s, policy %s",
             __version__, self.url.rstrip("/"), p, self.arbiter.backend_name,
-            len(self.arbiter.state.snapshot), ledger_path, self.policy,
+            len(self.arbiter.state.snapshot), self.ledger.path, self.policy,
         )
 
     async def _upkeep_loop(self) -> None:
@@ -319,21 +314,16 @@ class GPUBroker(SchedulingConfig, Application):
 
     async def teardown(self) -> None:
         self.log.info("GPU broker stopping")
-        upkeep = getattr(self, "_upkeep", None)
-        if upkeep is not None:
-            upkeep.cancel()
-        server = getattr(self, "http_server", None)
+        if self._upkeep is not None:
+            self._upkeep.cancel()
+        server = self.http_server
         if server is not None:
             server.stop()
-        broker = getattr(self, "broker", None)
-        for sock in list(broker.sockets if broker else ()):
+        for sock in list(self.broker.sockets if self.broker else ()):
             sock.close(1001, "the GPU broker is restarting")
-        arbiter = getattr(self, "arbiter", None)
-        if arbiter is not None:
-            await arbiter.stop()
-            if arbiter.backend is not None:
-                arbiter.backend.close()
-            arbiter.ledger.close()
+        if self.arbiter is not None:
+            await self.arbiter.stop()
+            self.arbiter.close()
         if server is not None:
             try:
                 await asyncio.wait_for(server.close_all_connections(), 5)

@@ -20,11 +20,12 @@ from .._version import __version__
 from .. import procs
 from ..api import input as api_input
 from ..api import routes
-from ..api.handlers import APIMixin, api_handlers
+from ..api.handlers import APIMixin, api_handlers, arbiter_errors
 from ..api.input import bad_input
 from ..api.routes import KERNEL_HEADER, PID_HEADER, SERVER_HEADER
 from ..api.views import Principal
 from .remote import ID_PATTERN, HeartbeatError
+from ..arbiter import LocalArbiter
 from .service import Broker
 
 log = logging.getLogger("jupyter_gpusched.broker")
@@ -101,8 +102,8 @@ class APIHandler(_Hub, web.RequestHandler):
 
     # The identity hook of the API handlers (api/handlers.py).
     @property
-    def scheduler(self) -> Broker:
-        return self.broker
+    def scheduler(self) -> LocalArbiter:
+        return self.broker.arbiter
 
     async def principal(self, action: str) -> Principal:
         return self.who
@@ -117,9 +118,8 @@ class KernelEndedHandler(APIMixin, APIHandler):
     async def post(self, kernel_id: str) -> None:
         with bad_input():
             reason = api_input.reason(self.body()) or "the kernel was shut down"
-        if self.who.kernel_id is not None:
-            raise web.HTTPError(403, "a kernel's token cannot end kernels")
-        await self.run("write", lambda who: self.broker.kernel_ended(who, kernel_id, reason))
+        with arbiter_errors():
+            await self.broker.kernel_ended(self.who, kernel_id, reason)
         self.set_status(204)
         self.finish()
 

@@ -616,6 +616,12 @@ class RemoteKernels:
         kernel = self._kernels.get(kernel_id)
         return kernel.notebook if kernel is not None else None
 
+    async def refresh_notebooks(self) -> None:
+        """Notebook names come with each server's heartbeat: nothing to read here."""
+
+    def adopted(self, kernel_id: str) -> None:
+        """A restarted kernel's new process owns its lease: its server says so in its heartbeats."""
+
     def kernels_of(self, user: str) -> Iterable[str]:
         return [kid for kid, kernel in self._kernels.items() if kernel.user == user]
 

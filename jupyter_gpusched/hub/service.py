@@ -11,13 +11,9 @@ import json
 import logging
 from typing import Any
 
-import psutil
-
 from ..api.events import latest, shape
-from ..api.routes import SERVER_HEADER
 from ..api.views import Principal
-from ..arbiter import ArbiterError, ArbiterEvent, BadRequest, ClaimResult, Forbidden, LocalArbiter, NotFound
-from ..core import Lease
+from ..arbiter import ArbiterEvent, LocalArbiter
 from .remote import RemoteKernels
 
 log = logging.getLogger("jupyter_gpusched.broker")
@@ -27,7 +23,11 @@ EVENT_BATCH = 0.2
 
 
 class Broker:
-    """The hub's rules around the arbiter: whose kernel is whose, who may touch which lease."""
+    """The broker's service: its servers' kernels ending, and events for every websocket.
+
+    Who may do what is the arbiter's :class:`~jupyter_gpusched.arbiter.policy.HubPolicy`; the
+    REST API calls the arbiter itself.
+    """
 
     def __init__(self, arbiter: LocalArbiter, kernels: RemoteKernels, *, heartbeat_interval: float) -> None:
         self.arbiter = arbiter
@@ -39,115 +39,20 @@ class Broker:
         self._flush_soon = False
         arbiter.subscribe(self._on_event)
 
-    # reads
+    # What the admin page asks (page.py); the arbiter's policy decides who may.
     async def status(self, who: Principal) -> dict:
-        out = await self.arbiter.status(who)
-        if who.admin:
-            out["unleased_processes"] = [_with_unix_user(p) for p in out.get("unleased_processes", [])]
-            out["stranded_processes"] = [_with_unix_user(p) for p in self.kernels.stranded()]
-            out["servers"] = self.kernels.servers()
-        return out
+        return await self.arbiter.status(who)
 
-    async def devices(self, who: Principal) -> list[dict]:
-        return await self.arbiter.devices(who)
-
-    async def leases(self, who: Principal, kernel_id: str | None = None) -> list[dict]:
-        return await self.arbiter.leases(who, kernel_id)
-
-    async def lease(self, who: Principal, lease_id: str) -> dict:
-        return await self.arbiter.lease(who, lease_id)
-
-    def _lease(self, lease_id: str) -> Lease:
-        for lease in self.arbiter.state.leases:
-            if lease.id == lease_id:
-                return lease
-        found = self.arbiter.ledger.lease(lease_id)
-        if found is None:
-            raise NotFound(f"no lease {lease_id!r}")
-        return found
-
-    def _check_kernel_principal(self, who: Principal) -> None:
-        if who.kernel_id is None:
-            return
-        owner = self.kernels.user_of(who.kernel_id)
-        if owner is not None and owner != who.user:
-            raise Forbidden("a kernel's token can only act for that kernel")
-
-    def _check_owner(self, who: Principal, lease_id: str) -> Lease:
-        """403 unless ``who`` may act on the lease: its own user (or that kernel), or an admin."""
-        self._check_kernel_principal(who)
-        lease = self._lease(lease_id)
-        if who.kernel_id is not None and (lease.kernel_id != who.kernel_id or lease.user != who.user):
-            raise Forbidden("a kernel's token can only act on that kernel's own lease")
-        if lease.user != who.user and not who.admin:
-            raise Forbidden(f"lease {lease_id} belongs to another user")
-        return lease
-
-    # writes
-    async def claim(
-        self,
-        who: Principal,
-        kernel_id: str,
-        count: int | None,
-        memory: int | None,
-        mode: str | None,
-        priority: int,
-        wait: float,
-    ) -> ClaimResult:
-        self._check_kernel_principal(who)
-        if priority > 0 and not who.admin:
-            # The fair queue orders users by their share first; priority breaks ties. Users may
-            # lower theirs, but raising it would let anyone jump ahead of everyone else.
-            raise Forbidden("only a hub admin can raise a claim's priority above 0")
-        owner = self.kernels.user_of(kernel_id)
-        if owner is not None and owner != who.user:
-            raise NotFound(f"no running kernel {kernel_id!r} on your servers")
-        registered = False
-        if not self.kernels.known(kernel_id):
-            if not who.server_id:
-                raise NotFound(
-                    f"no running kernel {kernel_id!r} on your servers (a server that asks for a kernel "
-                    f"it has not reported yet names itself in {SERVER_HEADER})"
-                )
-            if not self.kernels.verified_server(who.server_id, who.user):
-                raise NotFound(
-                    f"no running kernel {kernel_id!r} on your servers: server {who.server_id} is not "
-                    "connected to the GPU broker (a server connects when it starts)"
-                )
-            try:
-                self.kernels.register(kernel_id, who.user, who.server_id)
-            except PermissionError as exc:
-                raise Forbidden(str(exc)) from None
-            except ValueError as exc:
-                raise BadRequest(str(exc)) from None
-            registered = True
-        try:
-            return await self.arbiter.claim(who, kernel_id, count, memory, mode, priority, wait)
-        except ArbiterError:
-            if registered:
-                self.kernels.unregister(kernel_id)  # a refused claim leaves nothing behind
-            raise
-
-    async def release(self, who: Principal, lease_id: str) -> None:
-        self._check_owner(who, lease_id)
-        await self.arbiter.release(who, lease_id)
-
-    async def keep(self, who: Principal, lease_id: str, seconds: float) -> dict:
-        self._check_owner(who, lease_id)
-        return await self.arbiter.keep(who, lease_id, seconds)
-
-    async def cache_freed(self, who: Principal, lease_id: str, frameworks: tuple[str, ...]) -> dict:
-        self._check_owner(who, lease_id)
-        return await self.arbiter.cache_freed(who, lease_id, frameworks)
-
-    async def drain(self, who: Principal, uuid: str, drained: bool, reason: str) -> dict:
+    async def drain(self, who: Principal, uuid: str, drained: bool, reason: str = "") -> dict:
         return await self.arbiter.drain(who, uuid, drained, reason)
 
+    async def release(self, who: Principal, lease_id: str) -> None:
+        await self.arbiter.release(who, lease_id)
+
     async def kernel_ended(self, who: Principal, kernel_id: str, reason: str) -> None:
-        owner = self.kernels.user_of(kernel_id)
+        """A server says one of its kernels ended: its leases are released now."""
         leases = [le for le in self.arbiter.state.leases if le.kernel_id == kernel_id and le.live]
-        if (owner is not None and owner != who.user) or any(le.user != who.user for le in leases):
-            raise NotFound(f"no kernel {kernel_id!r} on your servers")
+        self.arbiter.policy.end_kernel(who, kernel_id, leases)
         self.kernels.ended(kernel_id, reason)
         if leases:
             await self.arbiter.kernel_ended(kernel_id, reason)
@@ -223,13 +128,4 @@ def _gpu_use(snapshot) -> dict[int, float | None]:
                 util = device.utilization
             if util is not None or proc.pid not in out:
                 out[proc.pid] = max(util, out.get(proc.pid) or 0.0) if util is not None else out.get(proc.pid)
-    return out
-
-
-def _with_unix_user(item: dict) -> dict:
-    out = dict(item)
-    try:
-        out["unix_user"] = psutil.Process(int(item["pid"])).username()
-    except (psutil.Error, KeyError, ValueError, TypeError):
-        out["unix_user"] = None
     return out

@@ -52,6 +52,11 @@ class GPUSchedApp(SchedulingConfig, ExtensionApp):
         config=True
     )
 
+    #: Set while the extension runs (None before and after).
+    registry = None
+    _stopped = False
+    _log_parent = None
+
     @default("broker_url")
     def _broker_url_default(self) -> str:
         return os.environ.get("JUPYTER_GPUSCHED_BROKER_URL", "")
@@ -71,7 +76,7 @@ class GPUSchedApp(SchedulingConfig, ExtensionApp):
             package_log.parent = self.log
 
     def _unwire_logging(self) -> None:
-        parent = getattr(self, "_log_parent", None)
+        parent = self._log_parent
         package_log = logging.getLogger(PACKAGE_LOGGER)
         if parent is not None and package_log.parent is self.log:
             package_log.parent = parent
@@ -79,10 +84,6 @@ class GPUSchedApp(SchedulingConfig, ExtensionApp):
 
     def initialize_settings(self) -> None:
         self._wire_logging()
-        from ..arbiter import LocalArbiter
-        from ..ledger import Ledger
-        from ..metrics import Metrics
-        from ..reclaim.checkpoint import detect
         from . import registry
         from .kernels import ServerKernels
 
@@ -92,34 +93,23 @@ class GPUSchedApp(SchedulingConfig, ExtensionApp):
         reg = registry.Registry(kernels=kernels, user=user, log=self.log)
 
         if self.broker_url:
-            from ..hub.client import BrokerClient
+            from ..arbiter.remote import BrokerClient
 
             arbiter = BrokerClient(self.broker_url, kernels=kernels, user=user, log=self.log)
         else:
-            ledger_path = self.resolved_ledger_path()
-            state_path = self.simulated_state_path or os.path.join(
-                os.path.dirname(ledger_path), "gpusched-simulated.sqlite"
-            )
-            backend, note = open_inventory(
-                self.backend, self.simulated_devices, state_path, self.log,
-                allow_shared=self.allow_shared_state_files,
-            )
-            if backend is not None and backend.name == "simulated":
-                reg.sim_state = state_path
-            ledger = Ledger(ledger_path, allow_shared=self.allow_shared_state_files)
-            arbiter = LocalArbiter(
-                cfg=self.sched_config(),
-                ledger=ledger,
-                backend=backend,
-                checkpointer=detect(backend, self.checkpoint),
+            from ..arbiter.build import build_local_arbiter
+
+            arbiter, state_path = build_local_arbiter(
+                self,
                 kernels=kernels,
-                poll_interval=self.poll_interval,
-                backend_note=note,
-                metrics=Metrics(),
+                log=self.log,
+                simulated_state_path=self.simulated_state_path,
                 show_holders=True,
                 unleased_processes=self.unleased_processes,
             )
-            self.log.info("GPU scheduler: ledger %s, policy %s", ledger_path, self.policy)
+            if arbiter.backend_name == "simulated":
+                reg.sim_state = state_path
+            self.log.info("GPU scheduler: ledger %s, policy %s", arbiter.ledger.path, self.policy)
         reg.arbiter = arbiter
         registry.install(reg)
         self.registry = reg
@@ -140,7 +130,7 @@ class GPUSchedApp(SchedulingConfig, ExtensionApp):
 
     async def _on_kernel_action(self, logger, schema_id: str, data: dict) -> None:
         action, kernel_id = data.get("action"), data.get("kernel_id")
-        if not kernel_id or data.get("status") == "error" or getattr(self, "_stopped", False):
+        if not kernel_id or data.get("status") == "error" or self._stopped:
             return
         if action == "shutdown":
             self.registry.kernels.ended(kernel_id)
@@ -150,7 +140,7 @@ class GPUSchedApp(SchedulingConfig, ExtensionApp):
     async def stop_extension(self) -> None:
         from . import registry
 
-        reg = getattr(self, "registry", None)
+        reg = self.registry
         if reg is None:
             self._unwire_logging()
             return
@@ -160,9 +150,6 @@ class GPUSchedApp(SchedulingConfig, ExtensionApp):
         except Exception:  # noqa: BLE001 - older jupyter_events may not know the listener
             pass
         await reg.arbiter.stop()
-        for name in ("backend", "ledger"):
-            thing = getattr(reg.arbiter, name, None)
-            if thing is not None:
-                thing.close()
+        reg.arbiter.close()
         registry.install(None)
         self._unwire_logging()

@@ -1,4 +1,4 @@
-"""``BrokerClient``: the :class:`~jupyter_gpusched.arbiter.Arbiter` of a single-user server in hub mode.
+"""``BrokerClient``: the :class:`~jupyter_gpusched.arbiter.base.Arbiter` of a single-user server in hub mode.
 
 The server's REST API, magics, widgets, lab extension and provisioner talk to this object exactly
 as they talk to a ``LocalArbiter``; it forwards each call to the hub's GPU broker, authenticated
@@ -16,13 +16,18 @@ import asyncio
 import json
 import logging
 import os
+import time
 import urllib.parse
 from typing import Any
 
 from tornado import httputil, websocket
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 
-from ..arbiter import (
+from ..api.routes import KERNEL_HEADER, PID_HEADER, SERVER_HEADER
+from ..api.views import Principal, ViewContext, device_json, lease_json
+from ..core import Lease, LeaseState
+from ..devices.base import DeviceSnapshot
+from .base import (
     Arbiter,
     ArbiterError,
     ArbiterEvent,
@@ -33,12 +38,7 @@ from ..arbiter import (
     NoInventory,
     NotFound,
 )
-from ..core import Lease, LeaseState
-from ..api.views import Principal
 
-KERNEL_HEADER = "X-GPUSched-Kernel"
-SERVER_HEADER = "X-GPUSched-Server"
-PID_HEADER = "X-GPUSched-Pid"
 #: How long ``start`` waits for the first connection before the server goes on without it.
 CONNECT_WAIT = 5.0
 #: The longest pause between two attempts to reach the broker.
@@ -92,6 +92,7 @@ class BrokerClient(Arbiter):
         token: str | None = None,
         heartbeat_interval: float = 5.0,
     ) -> None:
+        super().__init__()
         if not url:
             raise ValueError("the broker URL is empty")
         self.url = url if url.endswith("/") else url + "/"
@@ -273,7 +274,7 @@ class BrokerClient(Arbiter):
         self._tell_listening()
 
     def _tell_listening(self) -> None:
-        want = bool(self._listeners())
+        want = self.listening
         if self._ws is None or want == self._listening:
             return
         self._listening = want
@@ -318,9 +319,7 @@ class BrokerClient(Arbiter):
 
         The broker finds each kernel's child processes itself (it believes no list of them).
         """
-        refresh = getattr(self.kernels, "refresh_notebooks", None)
-        if refresh is not None:
-            await refresh()
+        await self.kernels.refresh_notebooks()
         states = self.kernels.activity()
         kernels = {}
         for kernel_id, (busy, last_busy_at, started_at) in states.items():
@@ -466,3 +465,18 @@ class BrokerClient(Arbiter):
             if data.get("state") != "released" and data.get("kernel_id") == kernel_id:
                 return lease_from_json(data)
         return None
+
+    # The broker plans and shapes events for this server's user: what is left here is little.
+    async def replan(self) -> None:
+        """The broker plans on its own ticks; a heartbeat now tells it what changed here."""
+        self.beat_now()
+
+    def view_context(self) -> ViewContext:
+        return ViewContext(now=time.time())
+
+    def render_lease(self, lease: Lease, who: Principal, ctx: ViewContext | None = None) -> dict:
+        """A lease as this server knows it (events from the broker come already shaped)."""
+        return lease_json(lease, who, ctx or self.view_context(), {})
+
+    def render_device(self, device: DeviceSnapshot, who: Principal, ctx: ViewContext | None = None) -> dict:
+        return device_json(device, (), who, ctx or self.view_context())

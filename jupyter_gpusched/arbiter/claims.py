@@ -1,0 +1,106 @@
+"""A claim written into the ledger: the step between ``LocalArbiter.claim`` and the core's plan.
+
+:func:`write_claim` runs inside the planning transaction (``LocalArbiter._plan_tx``): it answers
+with the kernel's existing lease where it has one, or admits a new claim (``core.admit``) and
+writes it, owned by the kernel's process. The core's :func:`~jupyter_gpusched.core.plan` of the
+same transaction then grants it or queues it.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid as uuidlib
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+from .. import core
+from ..api.views import Principal
+from ..core import Lease, LeaseState
+from ..ledger import OwnerId
+from .base import Conflict, Forbidden
+
+log = logging.getLogger("jupyter_gpusched")
+
+
+@dataclass(frozen=True)
+class ClaimRequest:
+    """What a caller asked for (``None``: what the kernel's lease has, or the default)."""
+
+    who: Principal
+    kernel_id: str
+    count: int | None = None
+    memory: int | None = None
+    mode: str | None = None
+    priority: int = 0
+    #: The kernel's process, which will own the lease (None: the server owns it).
+    owner_pid: int | None = None
+    #: Idle spells of the kernel's earlier lease, so that learning survives a release.
+    gaps: tuple[float, ...] = ()
+
+
+def write_claim(
+    request: ClaimRequest,
+    server_id: str,
+    device_index: Mapping[str, int],
+    cfg: core.SchedConfig,
+    tx,
+    leases: list[Lease],
+    devices: Iterable[core.Device],
+) -> tuple[str, str]:
+    """``(how, lease_id)``: ``existing``, ``pending`` or ``resume`` for the kernel's lease, or ``new``."""
+    mine = [le for le in leases if le.kernel_id == request.kernel_id and le.live]
+    if mine:
+        return _existing(request, mine[0], device_index, tx)
+    who = request.who
+    claim = core.new_claim(
+        uuidlib.uuid4().hex,
+        request.kernel_id,
+        who.user,
+        tx.now,
+        count=1 if request.count is None else request.count,
+        memory=request.memory,
+        mode=request.mode or core.EXCLUSIVE,
+        priority=request.priority,
+        groups=who.groups,
+        gaps=request.gaps,
+    )
+    core.admit(claim, list(devices), leases, cfg)
+    tx.put(claim)
+    process = None
+    if request.owner_pid is not None:
+        try:
+            process = OwnerId.of_pid(request.owner_pid)
+        except Exception:  # noqa: BLE001 - fall back to this server owning it
+            process = None
+    tx.set_owner(claim.id, request.kernel_id, server_id, process)
+    log.info(
+        "lease %s: kernel %s (%s) asks for %s GPU(s)%s, %s",
+        claim.id, request.kernel_id, who.user, claim.count,
+        f" with {core.format_bytes(request.memory)} each" if request.memory else "", claim.mode,
+    )
+    return ("new", claim.id)
+
+
+def _existing(request: ClaimRequest, lease: Lease, device_index: Mapping[str, int], tx) -> tuple[str, str]:
+    who = request.who
+    if lease.user != who.user and not who.admin:
+        raise Forbidden(f"kernel {request.kernel_id} belongs to another user")
+    asked = (request.count, request.memory, request.mode)
+    have = (lease.count, lease.memory, lease.mode)
+    if any(a is not None and a != h for a, h in zip(asked, have)):
+        held = sorted(device_index[u] for u in lease.devices if u in device_index)
+        label = (
+            f"GPU{'s' if len(held) > 1 else ''} {', '.join(map(str, held))}" if held
+            else f"a claim for {lease.count} GPU(s)"
+        )
+        raise Conflict(
+            f"this kernel already holds {label} ({lease.mode}, {lease.state.value}); release it "
+            "first (`%gpu release`) to ask for a different one"
+        )
+    if lease.state == LeaseState.SUSPENDED:
+        tx.put(core.request_resume(lease, tx.now))
+        return ("resume", lease.id)
+    if lease.holding:
+        tx.put(core.touch(lease, tx.now))
+        return ("existing", lease.id)
+    return ("pending", lease.id)

@@ -1,0 +1,692 @@
+"""``LocalArbiter``: the scheduler in this process (standalone, and inside the hub broker).
+
+A reconcile tick observes (``observe.py``), plans in one ledger transaction (:meth:`_plan_tx`,
+which calls :func:`jupyter_gpusched.core.plan` and writes what changed), then, back on the event
+loop, applies the plan: it tells viewers, wakes waiting claims and hands due reclaim steps to the
+:class:`~jupyter_gpusched.reclaim.executor.ReclaimExecutor`. Several processes sharing a ledger
+never grant one GPU twice, as every decision is made inside the transaction. Blocking work
+(NVML, SQLite, /proc) runs in worker threads; those return values and never touch this object's
+state, which only the event loop changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+import uuid as uuidlib
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterable, Mapping
+
+from .. import core
+from ..api.views import Principal, ViewContext, device_json, iso, lease_json, queue_json
+from ..core import Capabilities, KernelActivity, Lease, LeaseState, SchedConfig
+from ..devices.base import DeviceBackend, DeviceSnapshot, InventoryUnavailable
+from ..ledger import Ledger, LedgerError, OwnerId, is_alive
+from ..reclaim.checkpoint import Checkpointer, Unavailable
+from ..reclaim import executor as reclaim_executor
+from . import enforce
+from .base import (
+    MAX_WAIT,
+    Arbiter,
+    ArbiterEvent,
+    BadRequest,
+    ClaimResult,
+    Conflict,
+    Forbidden,
+    KernelHost,
+    LedgerUnavailable,
+    NoInventory,
+    NotFound,
+    gpus_label,
+    notice,
+)
+from .claims import ClaimRequest, write_claim
+from .observe import Observation, device_changed, observe
+from .policy import AccessPolicy
+
+log = logging.getLogger("jupyter_gpusched")
+
+
+@dataclass
+class _State:
+    """The last view of the world, for answering reads without touching the ledger."""
+
+    snapshot: tuple[DeviceSnapshot, ...] = ()
+    leases: tuple[Lease, ...] = ()
+    queue: tuple[str, ...] = ()
+    drained: Mapping[str, str] = field(default_factory=dict)
+    process_kernels: Mapping[int, str] = field(default_factory=dict)
+    unleased: tuple[dict, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """What one planning transaction decided, for the event loop to apply."""
+
+    plan: core.Plan
+    before: Mapping[str, Lease]
+    notices: list
+    drained: Mapping[str, str]
+    #: Leases the transaction released (their idle history is remembered for the kernel).
+    released: tuple[Lease, ...] = ()
+    #: Leases whose suspected-dead kernel is checked again at the next tick.
+    suspects: frozenset[str] = frozenset()
+    outcome: Any = None
+
+
+class LocalArbiter(Arbiter):
+    """Scheduling in this process: the ledger file, the GPUs of this host and its kernels."""
+
+    def __init__(
+        self,
+        *,
+        cfg: SchedConfig,
+        ledger: Ledger,
+        backend: DeviceBackend | None,
+        checkpointer: Checkpointer | None = None,
+        kernels: KernelHost | None = None,
+        clock: Callable[[], float] = time.time,
+        poll_interval: float = 2.0,
+        backend_note: str = "",
+        mode: str = "standalone",
+        show_holders: bool = True,
+        metrics: Any = None,
+        unleased_processes: str = "report",
+        policy: AccessPolicy | None = None,
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.unleased_policy = unleased_processes
+        self.policy = policy or AccessPolicy()
+        self.ledger = ledger
+        self.backend = backend
+        self.checkpointer = checkpointer or Unavailable("no checkpointer configured")
+        self.caps = Capabilities(
+            checkpoint=self.checkpointer.available,
+            checkpoint_reason=self.checkpointer.reason,
+            remap=self.checkpointer.remap,
+        )
+        self.kernels = kernels
+        self.server_id = kernels.server_id if kernels is not None else uuidlib.uuid4().hex
+        self.clock = clock
+        self.poll_interval = poll_interval
+        self.backend_note = backend_note
+        self.mode = mode
+        self.show_holders = show_holders
+        self.metrics = metrics
+        self.state = _State()
+        self.reclaims = reclaim_executor.ReclaimExecutor(self)
+        #: Each kernel's process tree as last observed (reclaims act within it only).
+        self.trees: Mapping[str, set[int]] = {}
+        self._activity: Mapping[str, KernelActivity] = {}
+        self._waiters: dict[str, asyncio.Event] = {}
+        self._task: asyncio.Task | None = None
+        self._tick_lock = asyncio.Lock()
+        self._kernel_gaps: dict[str, tuple[float, ...]] = {}
+        self._suspects: frozenset[str] = frozenset()
+        self._unleased_seen: frozenset[int] = frozenset()
+
+    # -- lifecycle -------------------------------------------------------------------------
+    @property
+    def backend_name(self) -> str:
+        return self.backend.name if self.backend is not None else "none"
+
+    async def start(self) -> None:
+        await self.tick()
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        await self.reclaims.stop()
+
+    def close(self) -> None:
+        if self.backend is not None:
+            self.backend.close()
+        self.ledger.close()
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_interval)
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the loop must outlive one bad tick
+                log.exception("GPU reconcile tick failed; trying again in %ss", self.poll_interval)
+
+    # -- the reconcile tick ----------------------------------------------------------------
+    async def tick(self) -> core.Plan:
+        """Observe, plan in one transaction, persist, then carry out what was decided."""
+        async with self._tick_lock:
+            snap = await self._refresh_devices()
+            seen = await self._observe(snap)
+            planned = await asyncio.to_thread(self._plan_tx, seen.activity, None)
+            await self._apply(planned)
+            await self.reclaims.expire_cache_requests()
+            await self.reclaims.restore_orphans()
+            if self.unleased_policy == "kill":
+                await self._enforce()
+            return planned.plan
+
+    async def replan(self) -> core.Plan:
+        """A scheduling pass on what the last tick saw (after a release, say): no device scan."""
+        async with self._tick_lock:
+            planned = await asyncio.to_thread(self._plan_tx, self._activity, None)
+            await self._apply(planned)
+            return planned.plan
+
+    async def _refresh_devices(self) -> tuple[DeviceSnapshot, ...]:
+        if self.backend is None:
+            return ()
+        try:
+            snap = await asyncio.to_thread(self.backend.snapshot)
+        except InventoryUnavailable as exc:
+            log.warning("GPU inventory unavailable this tick: %s", exc)
+            return self.state.snapshot
+        before = {d.uuid: d for d in self.state.snapshot}
+        self.state.snapshot = snap
+        for device in snap:
+            old = before.get(device.uuid)
+            if old is None or device_changed(old, device):
+                self.publish(ArbiterEvent("device", device=device))
+            if old is not None and old.health != "lost" and device.health == "lost":
+                log.warning("GPU %s (%s) was lost", device.index, device.uuid)
+        return snap
+
+    async def _observe(self, snap: tuple[DeviceSnapshot, ...]) -> Observation:
+        if self.kernels is None:
+            seen = Observation()
+        else:
+            await self.kernels.refresh_notebooks()
+            trees = await asyncio.to_thread(self.kernels.process_trees)
+            seen = observe(
+                self.kernels.activity(), trees, snap, self.state.leases, self.clock(),
+                has_inventory=self.backend is not None,
+            )
+        self.trees = seen.trees
+        self.state.process_kernels = seen.process_kernels
+        self.state.unleased = seen.unleased
+        self._activity = seen.activity
+        return seen
+
+    def _plan_tx(
+        self,
+        activity: Mapping[str, KernelActivity],
+        change: Callable[[Any, list[Lease], list[core.Device]], Any] | None,
+    ) -> _Planned:
+        """One transaction (in a worker thread): reap the dead, apply ``change``, plan, persist."""
+        notices: list[dict | ArbiterEvent] = []
+        with self.ledger.transaction(self.clock()) as tx:
+            now = tx.now
+            drained = tx.drained()
+            devices = [d.to_core(drained=d.uuid in drained) for d in self.state.snapshot]
+            leases = tx.leases()
+            before = {lease.id: lease for lease in leases}
+            leases, released, suspects = self._reap(tx, leases, now, devices, notices)
+            leases = self._resume_running(tx, leases, activity, now)
+            outcome = change(tx, leases, devices) if change is not None else None
+            if outcome is not None:
+                leases = tx.leases()
+            plan = core.plan(devices, leases, activity, now, self.cfg, self.caps)
+            for lease_id in plan.changed:
+                tx.put(plan.lease(lease_id))
+            self._own_new_kernels(tx, plan.leases)
+        return _Planned(plan, before, notices, dict(drained), tuple(released), frozenset(suspects), outcome)
+
+    def _reap(self, tx, leases: list[Lease], now: float, devices, notices: list) -> tuple[list[Lease], list[Lease], set[str]]:
+        """Release leases whose kernels are gone and leases on lost GPUs."""
+        owners = tx.owners()
+        lost = {d.uuid: d for d in devices if d.health == core.Health.LOST}
+        out, released = [], []
+        suspects: set[str] = set()
+        for lease in leases:
+            owner = owners.get(lease.id)
+            gone: str | None = None
+            ours = self.kernels is not None and (owner is None or owner.server_id == self.server_id)
+            if ours and self.kernels.restarting(lease.kernel_id):
+                pass  # a deliberate restart keeps the lease; the new process takes it over
+            elif ours and self.kernels.alive(lease.kernel_id) is False:
+                gone = "the kernel has shut down"
+            elif owner is not None and not is_alive(owner):
+                # A kernel of ours whose process just exited may be in a deliberate restart that
+                # this tick raced with: it is released only if still gone at the next tick.
+                if not ours or lease.id in self._suspects:
+                    gone = f"the kernel's process {owner.process.pid} is gone"
+                else:
+                    suspects.add(lease.id)
+            if gone is not None:
+                done = core.released(lease, now, f"released: {gone}")
+                tx.put(done)
+                released.append(done)
+                log.info("lease %s of kernel %s released: %s", lease.id, lease.kernel_id, gone)
+                notices.append(ArbiterEvent("lease", lease=done))
+                continue
+            on_lost = [u for u in lease.devices if u in lost]
+            if on_lost and lease.holding:
+                device = lost[on_lost[0]]
+                done = core.device_lost(lease, device.uuid, device.index, now)
+                tx.put(done)
+                log.warning("lease %s of kernel %s: GPU %s lost", lease.id, lease.kernel_id, device.uuid)
+                notices.append(
+                    {"kind": "lost", "lease_id": lease.id, "kernel_id": lease.kernel_id, "message": done.reason}
+                )
+                continue
+            out.append(lease)
+        return out, released, suspects
+
+    def _resume_running(self, tx, leases: list[Lease], activity: Mapping[str, KernelActivity], now: float) -> list[Lease]:
+        """A suspended kernel that runs code anyway (a cell the agent did not see) is restored."""
+        out = []
+        for lease in leases:
+            seen = activity.get(lease.kernel_id)
+            if lease.state == LeaseState.SUSPENDED and seen is not None and seen.busy:
+                lease = core.request_resume(lease, now)
+                tx.put(lease)
+                log.info("lease %s of kernel %s: the kernel runs while suspended; restoring", lease.id, lease.kernel_id)
+            out.append(lease)
+        return out
+
+    def _own_new_kernels(self, tx, leases: Iterable[Lease]) -> None:
+        """Let the kernel's own process own its lease once it runs (it outlives this server)."""
+        if self.kernels is None:
+            return
+        owners = tx.owners()
+        for lease in leases:
+            owner = owners.get(lease.id)
+            if owner is None or owner.server_id != self.server_id:
+                continue
+            pid = self.kernels.kernel_pid(lease.kernel_id)
+            if pid is None or owner.process.pid == pid:
+                continue
+            try:
+                process = OwnerId.of_pid(pid)
+            except Exception:  # noqa: BLE001 - the kernel may be exiting right now
+                continue
+            tx.set_owner(lease.id, lease.kernel_id, self.server_id, process)
+            self.kernels.adopted(lease.kernel_id)
+
+    async def _apply(self, planned: _Planned) -> None:
+        """On the event loop: take the plan as the state, tell viewers, wake claims, reclaim."""
+        plan, before, notices = planned.plan, planned.before, list(planned.notices)
+        self.state.leases = tuple(plan.leases)
+        self.state.queue = plan.queue
+        self.state.drained = planned.drained
+        self._suspects = planned.suspects
+        for lease in planned.released:
+            self._remember(lease)
+        now = self.clock()
+        for decision in plan.decisions:
+            self._tell_decision(decision, before.get(decision.lease.id), now, notices)
+        # A claim written in this pass's transaction is already pending when the core plans, so
+        # the plan neither lists it as changed nor decides to queue it: tell viewers here.
+        decided = {d.lease.id for d in plan.decisions}
+        changed = list(plan.changed)
+        for lease in plan.leases:
+            if lease.id in before or lease.id in plan.changed:
+                continue
+            changed.append(lease.id)
+            if lease.state == LeaseState.PENDING and lease.id not in decided:
+                position = plan.queue.index(lease.id) + 1 if lease.id in plan.queue else None
+                notices.append(self._queued(lease, position))
+        for lease_id in changed:
+            lease = plan.lease(lease_id)
+            self.publish(ArbiterEvent("lease", lease=lease))
+            if lease is not None and lease.state != LeaseState.PENDING:
+                self.wake(lease_id)
+        for item in notices:
+            self.publish(item if isinstance(item, ArbiterEvent) else ArbiterEvent("notice", notice=item))
+        self.reclaims.carry_out_due(plan.leases)
+        if self.metrics is not None:
+            self.metrics.update(self.state.snapshot, plan.leases, plan.queue)
+
+    def _tell_decision(self, decision: Any, old: Lease | None, now: float, notices: list) -> None:
+        lease = decision.lease
+        if decision.kind == "grant":
+            waited = now - (old.queued_at if old else lease.queued_at)
+            gpus = gpus_label(lease, self.state.snapshot)
+            log.info(
+                "lease %s of kernel %s (%s) %s %s after %.1fs in the queue (%s)",
+                lease.id, lease.kernel_id, lease.user, "restoring onto" if lease.home else "granted",
+                gpus, waited, decision.reason,
+            )
+            if self.metrics is not None:
+                self.metrics.waited(waited)
+            if lease.home and self.mine(lease):
+                self.reclaims.start_restore(lease)
+            else:
+                notices.append(notice("granted", lease, f"Granted {gpus}"))
+        elif decision.kind == "notice":
+            log.info(
+                "lease %s of kernel %s: reclaim announced for %s: %s",
+                lease.id, lease.kernel_id, lease.reclaim_at, decision.reason,
+            )
+            notices.append(notice("reclaim_warning", lease, decision.reason))
+        elif decision.kind == "cancel":
+            log.info("lease %s of kernel %s: %s", lease.id, lease.kernel_id, decision.reason)
+            notices.append(notice("reclaim_cancelled", lease, decision.reason))
+        elif decision.kind == "idle":
+            log.debug("lease %s of kernel %s: %s", lease.id, lease.kernel_id, decision.reason)
+        elif decision.kind == "queue" and (old is None or old.state != LeaseState.PENDING):
+            notices.append(self._queued(lease, decision.position))
+
+    @staticmethod
+    def _queued(lease: Lease, position: int | None) -> dict:
+        item = notice("queued", lease, lease.reason)
+        if position is not None:
+            item["position"] = position
+        log.info(
+            "lease %s of kernel %s (%s) queued at position %s: %s",
+            lease.id, lease.kernel_id, lease.user, position, lease.reason,
+        )
+        return item
+
+    async def _enforce(self) -> None:
+        live = {lease.id for lease in self.state.leases}
+
+        def decide() -> enforce.Verdict:
+            owner_pids = [owner.process.pid for lease_id, owner in self.ledger.owners().items() if lease_id in live]
+            return enforce.suspects(
+                self.state.unleased, self.state.leases, owner_pids, self.trees, self.state.snapshot, self._unleased_seen
+            )
+
+        verdict = await asyncio.to_thread(decide)
+        self._unleased_seen = verdict.seen
+        await asyncio.to_thread(enforce.end, verdict.due)
+        for item in verdict.notices:
+            self.publish(ArbiterEvent("notice", notice=item))
+
+    # -- what the reclaim executor uses ----------------------------------------------------
+    def mine(self, lease: Lease) -> bool:
+        """Whether ``lease``'s kernel is one of this arbiter's (its reclaims are carried out here)."""
+        return self.kernels is not None and self.kernels.alive(lease.kernel_id) is not None
+
+    def wake(self, lease_id: str) -> None:
+        """Wake a claim waiting on ``lease_id``."""
+        event = self._waiters.get(lease_id)
+        if event is not None:
+            event.set()
+
+    def live_lease(self, lease_id: str) -> Lease | None:
+        return next((le for le in self.state.leases if le.id == lease_id), None)
+
+    def known_lease(self, lease_id: str) -> Lease | None:
+        """A lease, live or from the ledger's history (None: never heard of)."""
+        return self.live_lease(lease_id) or self.ledger.lease(lease_id)
+
+    async def update(self, lease: Lease, fn: Callable[[Lease, float], Lease | None]) -> Lease | None:
+        """Re-read ``lease`` under the write lock and write ``fn(lease)`` if it still applies."""
+        new = await asyncio.to_thread(self._write, lease.id, fn)
+        self._remember(new)
+        if new is not None:
+            self.state.leases = tuple(new if le.id == new.id else le for le in self.state.leases if new.live or le.id != new.id)
+            self.publish(ArbiterEvent("lease", lease=new))
+            self.wake(new.id)
+        return new
+
+    def _write(self, lease_id: str, fn: Callable[[Lease, float], Lease | None]) -> Lease | None:
+        with self.ledger.transaction(self.clock()) as tx:
+            current = tx.lease(lease_id)
+            if current is None:
+                return None
+            new = fn(current, tx.now)
+            if new is None or new == current:
+                return None
+            if new.version <= current.version:
+                new = replace(new, version=current.version + 1)
+            tx.put(new)
+            return new
+
+    # -- reads -----------------------------------------------------------------------------
+    def view_context(self) -> ViewContext:
+        notebooks = {}
+        if self.kernels is not None:
+            for lease in self.state.leases:
+                name = self.kernels.notebook(lease.kernel_id)
+                if name:
+                    notebooks[lease.kernel_id] = name
+        positions = {lid: i for i, lid in enumerate(self.state.queue, start=1)}
+        kernel_users = {lease.kernel_id: lease.user for lease in self.state.leases}
+        if self.kernels is not None:
+            for kernel_id in set(self.state.process_kernels.values()) - set(kernel_users):
+                user = self.kernels.user_of(kernel_id)
+                if user is not None:
+                    kernel_users[kernel_id] = user
+        return ViewContext(
+            now=self.clock(),
+            positions=positions,
+            notebooks=notebooks,
+            drained=self.state.drained,
+            process_kernels=self.state.process_kernels,
+            kernel_users=kernel_users,
+            cfg=self.cfg,
+            leases=self.state.leases,
+            caps=self.caps,
+            devices=[d.to_core(drained=d.uuid in self.state.drained) for d in self.state.snapshot],
+        )
+
+    def render_lease(self, lease: Lease, who: Principal, ctx: ViewContext | None = None) -> dict:
+        index = {d.uuid: d.index for d in self.state.snapshot}
+        return lease_json(lease, self._viewer(who), ctx or self.view_context(), index)
+
+    def render_device(self, device: DeviceSnapshot, who: Principal, ctx: ViewContext | None = None) -> dict:
+        return device_json(device, self.state.leases, self._viewer(who), ctx or self.view_context())
+
+    def _viewer(self, who: Principal) -> Principal:
+        if who.show_holders == self.show_holders:
+            return who
+        return replace(who, show_holders=self.show_holders)
+
+    def _need_inventory(self) -> None:
+        if self.backend is None:
+            raise NoInventory(
+                f"no GPU inventory on this server ({self.backend_note or 'no backend'}); "
+                "set c.GPUSchedApp.backend = 'simulated' to try it without GPUs"
+            )
+
+    async def status(self, who: Principal) -> dict:
+        ctx = self.view_context()
+        by_id = {lease.id: lease for lease in self.state.leases}
+        queue = [by_id[lid] for lid in self.state.queue if lid in by_id]
+        viewer = self._viewer(who)
+        status = {
+            "mode": self.mode,
+            "backend": self.backend_name,
+            "backend_note": self.backend_note,
+            "policy": self.cfg.policy,
+            "user": who.user,
+            "is_admin": who.admin,
+            "checkpoint": {"available": self.caps.checkpoint, "reason": self.caps.checkpoint_reason},
+            "devices": [self.render_device(d, viewer, ctx) for d in self.state.snapshot],
+            "leases": [self.render_lease(le, viewer, ctx) for le in self.state.leases],
+            "queue": queue_json(queue, viewer),
+            "unleased_processes": list(self.state.unleased) if who.admin else [],
+            "config": {
+                "idle_timeout": self.cfg.idle_timeout,
+                "contended_idle_timeout": self.cfg.contended_idle_timeout,
+                "release_timeout": self.cfg.release_timeout,
+                "grace_period": self.cfg.grace_period,
+                "reclaim_fallback": self.cfg.reclaim_fallback,
+                "max_keep": self.cfg.max_keep,
+                "poll_interval": self.poll_interval,
+            },
+            "time": iso(ctx.now),
+        }
+        return self.policy.status_extras(who, status)
+
+    async def devices(self, who: Principal) -> list[dict]:
+        ctx = self.view_context()
+        return [self.render_device(d, who, ctx) for d in self.state.snapshot]
+
+    async def leases(self, who: Principal, kernel_id: str | None = None) -> list[dict]:
+        ctx = self.view_context()
+        viewer = self._viewer(who)
+        out = []
+        for lease in self.state.leases:
+            if kernel_id is not None and (lease.kernel_id != kernel_id or not viewer.sees(lease)):
+                continue
+            out.append(self.render_lease(lease, viewer, ctx))
+        return out
+
+    def _find(self, lease_id: str) -> Lease:
+        found = self.known_lease(lease_id)
+        if found is None:
+            raise NotFound(f"no lease {lease_id!r}")
+        return found
+
+    async def lease(self, who: Principal, lease_id: str) -> dict:
+        lease = self._find(lease_id)
+        if who.kernel_id is not None and lease.kernel_id != who.kernel_id:
+            raise Forbidden("a kernel's token can only read that kernel's own lease")
+        return self.render_lease(lease, who)
+
+    async def lease_for_kernel(self, kernel_id: str) -> Lease | None:
+        for lease in self.state.leases:
+            if lease.kernel_id == kernel_id and lease.live:
+                return lease
+        return None
+
+    # -- writes ----------------------------------------------------------------------------
+    async def claim(
+        self,
+        who: Principal,
+        kernel_id: str,
+        count: int | None = None,
+        memory: int | None = None,
+        mode: str | None = None,
+        priority: int = 0,
+        wait: float = 0.0,
+    ) -> ClaimResult:
+        undo = self.policy.admit_claim(who, kernel_id, priority)
+        try:
+            return await self._claim(who, kernel_id, count, memory, mode, priority, wait)
+        except Exception:
+            if undo is not None:
+                undo()
+            raise
+
+    async def _claim(self, who, kernel_id, count, memory, mode, priority, wait) -> ClaimResult:
+        self._need_inventory()
+        if self.kernels is not None and not self.kernels.alive(kernel_id):
+            raise NotFound(f"no running kernel {kernel_id!r} on this server")
+        request = ClaimRequest(
+            who, kernel_id, count, memory, mode, priority,
+            owner_pid=self.kernels.kernel_pid(kernel_id) if self.kernels is not None else None,
+            gaps=self._kernel_gaps.get(kernel_id, ()),
+        )
+        index = {d.uuid: d.index for d in self.state.snapshot}
+        change = functools.partial(write_claim, request, self.server_id, index, self.cfg)
+        async with self._tick_lock:
+            try:
+                planned = await asyncio.to_thread(self._plan_tx, self._activity, change)
+            except core.ConflictError as exc:
+                raise Conflict(str(exc)) from exc
+            except core.NoCapacity as exc:
+                raise NoInventory(str(exc)) from exc
+            except core.SchedulingError as exc:
+                raise BadRequest(str(exc)) from exc
+            except LedgerError as exc:
+                raise LedgerUnavailable(str(exc)) from exc
+            await self._apply(planned)
+        how, lease_id = planned.outcome
+        return await self._answer(who, lease_id, how, wait)
+
+    def _remember(self, lease: Lease | None) -> None:
+        """Idle spells of the kernel's released lease, so that learning survives a release."""
+        if lease is not None and lease.gaps and not lease.live:
+            self._kernel_gaps[lease.kernel_id] = lease.gaps
+
+    async def _answer(self, who: Principal, lease_id: str, how: str, wait: float) -> ClaimResult:
+        wait = max(0.0, min(float(wait or 0.0), MAX_WAIT))
+        deadline = time.monotonic() + wait
+        while True:
+            restore = self.reclaims.restores.get(lease_id)
+            if restore is not None:
+                await asyncio.wait({restore}, timeout=max(0.0, deadline - time.monotonic()) or None)
+            lease = self._find(lease_id)
+            if lease.holding and lease_id not in self.reclaims.restores:
+                status = 200 if how == "existing" else 201
+                return ClaimResult(status, self.render_lease(lease, who))
+            if not lease.live:
+                raise Conflict(f"lease {lease_id} was released: {lease.reason}")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return ClaimResult(202, self.render_lease(lease, who))
+            event = self._waiters.setdefault(lease_id, asyncio.Event())
+            event.clear()
+            try:
+                await asyncio.wait_for(event.wait(), timeout=remaining)
+            except asyncio.TimeoutError:
+                pass
+
+    def _own(self, who: Principal, lease_id: str) -> Lease:
+        self.policy.caller(who)
+        lease = self._find(lease_id)
+        self.policy.act_on(who, lease)
+        return lease
+
+    async def release(self, who: Principal, lease_id: str) -> None:
+        lease = self._own(who, lease_id)
+        by = f"kernel {who.kernel_id}" if who.kernel_id else who.user
+        why = f"released by {by}"
+        if not lease.live:
+            return
+        done = await self.update(lease, lambda cur, now: core.released(cur, now, why))
+        if done is not None:
+            log.info("lease %s of kernel %s %s", lease.id, lease.kernel_id, why)
+            if who.kernel_id is None and lease.user != who.user:
+                self.publish(ArbiterEvent("notice", notice=notice("released", done, f"Your GPU lease was {why}")))
+        await self.replan()
+
+    async def keep(self, who: Principal, lease_id: str, seconds: float) -> dict:
+        lease = self._own(who, lease_id)
+        try:
+            core.keep(lease, seconds, self.clock(), self.cfg)  # validate before writing
+        except core.ConflictError as exc:
+            raise Conflict(str(exc)) from exc
+        except core.SchedulingError as exc:
+            raise BadRequest(str(exc)) from exc
+        done = await self.update(lease, lambda cur, now: core.keep(cur, seconds, now, self.cfg))
+        lease = done or self._find(lease_id)
+        log.info("lease %s of kernel %s kept for %ss by %s", lease.id, lease.kernel_id, seconds, who.user)
+        if done is not None and lease.keep_until is not None:
+            self.publish(ArbiterEvent("notice", notice=notice("kept", lease, f"Kept for {core.format_duration(seconds)}")))
+        return self.render_lease(lease, who)
+
+    async def cache_freed(self, who: Principal, lease_id: str, frameworks: tuple[str, ...]) -> dict:
+        lease = self._own(who, lease_id)
+        done = await self.reclaims.cache_freed(lease, frameworks)
+        return self.render_lease(done or self._find(lease_id), who)
+
+    async def drain(self, who: Principal, uuid: str, drained: bool, reason: str = "") -> dict:
+        if not who.admin:
+            raise Forbidden("only an administrator can drain or undrain a GPU")
+        device = next((d for d in self.state.snapshot if d.uuid == uuid), None)
+        if device is None:
+            raise NotFound(f"no GPU with uuid {uuid!r} on this host")
+        await asyncio.to_thread(self._write_drained, uuid, drained, reason or f"by {who.user}")
+        log.info("GPU %s (%s) %s by %s", device.index, uuid, "drained" if drained else "undrained", who.user)
+        await self.replan()
+        return self.render_device(device, who)
+
+    def _write_drained(self, uuid: str, drained: bool, reason: str) -> None:
+        with self.ledger.transaction(self.clock()) as tx:
+            tx.set_drained(uuid, drained, reason)
+
+    async def kernel_started(self, kernel_id: str, user: str, pid: int | None) -> None:
+        """A kernel process now runs: hand its leases to it (they survive this server)."""
+        await self.replan()
+
+    async def kernel_ended(self, kernel_id: str, reason: str) -> None:
+        leases = [le for le in self.state.leases if le.kernel_id == kernel_id and le.live]
+        for lease in leases:
+            done = await self.update(lease, lambda cur, now: core.released(cur, now, f"released: {reason}"))
+            if done is not None:
+                log.info("lease %s of kernel %s released: %s", lease.id, kernel_id, reason)

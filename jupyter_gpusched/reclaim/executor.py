@@ -1,0 +1,322 @@
+"""The reclaim ladder carried out: release, checkpoint, free-cache, restart and shutdown.
+
+The core decides which step a lease is due for (``core/ladder.py``) and when (``reclaim_at``);
+the arbiter persists that decision. :class:`ReclaimExecutor` then carries the step out and writes
+its outcome through the arbiter (:meth:`~jupyter_gpusched.arbiter.local.LocalArbiter.update`, one
+ledger transaction each). Everything in flight lives here: the steps being carried out, the
+restores under way, and the free-cache requests waiting for the kernel's acknowledgement.
+
+Every checkpoint taken is recorded in the ledger before anything else happens, and each is
+restored whatever becomes of its lease (:meth:`restore_orphans`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping
+
+from .. import core, procs
+from ..arbiter.base import ArbiterEvent, Conflict, notice
+from ..core import Lease, LeaseState, Step
+from ..ledger import Checkpoint
+from .checkpoint import CheckpointError
+
+if TYPE_CHECKING:
+    from ..arbiter.local import LocalArbiter
+
+log = logging.getLogger("jupyter_gpusched")
+
+#: How long a free-cache step waits for the kernel to say it dropped its caches (seconds).
+FREE_CACHE_WAIT = 60.0
+
+_IDLE_RELEASE = "released while idle: the kernel held no GPU memory; its next cell asks again"
+
+
+class ReclaimExecutor:
+    """Carries out the reclaim steps the core decided, for the leases of one arbiter."""
+
+    def __init__(self, arbiter: LocalArbiter) -> None:
+        self.arbiter = arbiter
+        #: Lease ids whose step is being carried out now.
+        self.inflight: set[str] = set()
+        #: Lease id -> the task restoring its checkpoint onto the GPUs it was just granted.
+        self.restores: dict[str, asyncio.Task] = {}
+        #: Lease id -> when its kernel was asked to drop its framework caches.
+        self.cache_asked: dict[str, float] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    async def stop(self) -> None:
+        tasks = list(self._tasks) + list(self.restores.values())
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def busy(self, lease_id: str) -> bool:
+        """Whether a step or a restore of this lease is under way."""
+        return lease_id in self.inflight or lease_id in self.restores
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # -- the ladder -----------------------------------------------------------------------------
+    def carry_out_due(self, leases: Iterable[Lease]) -> None:
+        """Start the step of every reclaiming lease of this host whose ``reclaim_at`` has come."""
+        now = self.arbiter.clock()
+        for lease in leases:
+            if lease.state != LeaseState.RECLAIMING or lease.reclaim_step is None:
+                continue
+            if lease.reclaim_at is not None and lease.reclaim_at > now:
+                continue
+            if lease.id in self.inflight or lease.id in self.cache_asked or not self.arbiter.mine(lease):
+                continue
+            self.inflight.add(lease.id)
+            self._spawn(self.carry_out(lease))
+
+    async def carry_out(self, lease: Lease) -> None:
+        step = lease.reclaim_step
+        try:
+            if step == Step.RELEASE:
+                await self._release_idle(lease, step)
+            elif step == Step.CHECKPOINT:
+                await self.checkpoint(lease)
+            elif step == Step.FREE_CACHE:
+                self.ask_to_free_cache(lease)
+            elif step in (Step.RESTART, Step.SHUTDOWN):
+                await self.end_kernel(lease, step)
+        except Exception:  # noqa: BLE001 - one failed reclaim must not stop the loop
+            log.exception("lease %s of kernel %s: %s failed", lease.id, lease.kernel_id, step)
+        finally:
+            self.inflight.discard(lease.id)
+
+    async def _release_idle(self, lease: Lease, step: Step) -> None:
+        done = await self.arbiter.update(lease, _if_still(step, lambda cur, now: core.released(cur, now, _IDLE_RELEASE)))
+        if done is not None:
+            self.reclaimed(done, Step.RELEASE, "released", _IDLE_RELEASE, lease.devices)
+
+    async def end_kernel(self, lease: Lease, step: Step) -> None:
+        """``restart`` or ``shutdown``: the lease is released first, then the kernel goes."""
+        verb = "restarted" if step == Step.RESTART else "shut down"
+        why = f"reclaimed: the kernel was {verb} to free its GPU: {lease.reason}"
+        done = await self.arbiter.update(lease, _if_still(step, lambda cur, now: core.released(cur, now, why)))
+        if done is None:
+            return
+        self.reclaimed(done, step, "reclaimed", why, lease.devices)
+        kernels = self.arbiter.kernels
+        if kernels is not None:
+            if step == Step.RESTART:
+                await kernels.restart(lease.kernel_id)
+            else:
+                await kernels.shutdown(lease.kernel_id)
+
+    # -- free-cache: asked of the kernel, acknowledged by it ------------------------------------
+    def ask_to_free_cache(self, lease: Lease) -> None:
+        """Tell the kernel (its agent watches the lease, and this notice) to drop its caches."""
+        self.cache_asked[lease.id] = self.arbiter.clock()
+        self.arbiter.publish(ArbiterEvent("notice", notice=notice("free_cache", lease, lease.reason)))
+
+    async def cache_freed(self, lease: Lease, frameworks: tuple[str, ...]) -> Lease | None:
+        """The kernel says it dropped its caches: the step is done, the ladder goes on from it."""
+        if lease.state != LeaseState.RECLAIMING or lease.reclaim_step != Step.FREE_CACHE:
+            raise Conflict(f"lease {lease.id} is not asked to free its caches (it is {lease.state.value})")
+        self.cache_asked.pop(lease.id, None)
+        why = (
+            f"framework caches dropped ({', '.join(frameworks)})" if frameworks
+            else "the kernel had no framework cache to drop"
+        )
+        log.info("lease %s of kernel %s: %s", lease.id, lease.kernel_id, why)
+        return await self.arbiter.update(
+            lease, _if_still(Step.FREE_CACHE, lambda cur, now: core.step_done(cur, Step.FREE_CACHE, why))
+        )
+
+    async def expire_cache_requests(self) -> None:
+        """A kernel that has not answered within ``FREE_CACHE_WAIT``: the ladder goes on without it."""
+        now = self.arbiter.clock()
+        for lease_id, asked in list(self.cache_asked.items()):
+            if now - asked < FREE_CACHE_WAIT:
+                continue
+            del self.cache_asked[lease_id]
+            lease = self.arbiter.live_lease(lease_id)
+            if lease is None:
+                continue
+            why = f"the kernel did not say within {FREE_CACHE_WAIT:.0f} s that it dropped its caches"
+            log.info("lease %s of kernel %s: %s", lease.id, lease.kernel_id, why)
+            await self.arbiter.update(
+                lease, _if_still(Step.FREE_CACHE, lambda cur, now: core.step_done(cur, Step.FREE_CACHE, why))
+            )
+
+    # -- checkpoint and restore -----------------------------------------------------------------
+    def gpu_pids(self, lease: Lease) -> list[int]:
+        """The kernel's processes that use the lease's own GPUs: the only ones a reclaim touches.
+
+        The kernel's process tree is what the kernel host found (in hub mode, checked to descend
+        from its user's server); a process elsewhere, or on another GPU, is never acted on.
+        """
+        arbiter = self.arbiter
+        tree = arbiter.trees.get(lease.kernel_id) or (
+            arbiter.kernels.process_tree(lease.kernel_id) if arbiter.kernels else set()
+        )
+        pids = []
+        for device in arbiter.state.snapshot:
+            if device.uuid in lease.devices:
+                pids.extend(p.pid for p in device.processes if p.pid in tree)
+        return sorted(set(pids))
+
+    async def checkpoint(self, lease: Lease) -> None:
+        arbiter = self.arbiter
+        pids = self.gpu_pids(lease)
+        if not pids:
+            # Nothing of the kernel's on its GPUs (its memory went since the pass): nothing to keep.
+            await self._release_idle(lease, Step.CHECKPOINT)
+            return
+        held = lease.memory_held
+        taken: list[Checkpoint] = []
+        try:
+            moved_total = 0
+            for pid in pids:
+                started = procs.started(pid)
+                if started is None:
+                    continue
+                moved = await asyncio.to_thread(arbiter.checkpointer.checkpoint, pid)
+                moved_total += moved or 0
+                record = Checkpoint(pid, started, lease.id, lease.kernel_id, tuple(lease.devices), moved, arbiter.clock())
+                await asyncio.to_thread(self._record, record)
+                taken.append(record)
+        except CheckpointError as exc:
+            why = str(exc)
+            log.warning("lease %s of kernel %s: checkpoint failed: %s", lease.id, lease.kernel_id, why)
+            for record in taken:  # put back what was already taken: all or nothing
+                await self.restore_one(record, None, lease)
+            await arbiter.update(lease, lambda cur, now: core.step_failed(cur, Step.CHECKPOINT, why))
+            return
+        memory = moved_total or held
+        done = await arbiter.update(lease, _if_still(Step.CHECKPOINT, lambda cur, now: core.suspended(cur, now, memory)))
+        if done is None:
+            # The lease changed under us (released meanwhile): put the state back where it was.
+            for record in taken:
+                await self.restore_one(record, None, lease)
+            return
+        log.info(
+            "lease %s of kernel %s suspended: GPU state of pids %s checkpointed (%s) from %s",
+            lease.id,
+            lease.kernel_id,
+            [r.pid for r in taken],
+            core.format_bytes(memory),
+            ",".join(lease.devices),
+        )
+        self.reclaimed(done, Step.CHECKPOINT, "suspended", done.reason)
+
+    def _record(self, record: Checkpoint) -> None:
+        with self.arbiter.ledger.transaction(self.arbiter.clock()) as tx:
+            tx.add_checkpoint(record)
+
+    def _drop(self, record: Checkpoint) -> None:
+        with self.arbiter.ledger.transaction(self.arbiter.clock()) as tx:
+            tx.drop_checkpoint(record.pid, record.create_time)
+
+    def start_restore(self, lease: Lease) -> None:
+        """A suspended lease was granted GPUs again: restore its processes onto them."""
+        self.restores[lease.id] = self._spawn(self.restore(lease))
+
+    async def restore_one(self, record: Checkpoint, device_map: Mapping[str, str] | None, lease: Lease) -> bool:
+        """Restore one checkpointed process (if it still runs) and forget its checkpoint.
+
+        Returns False if the restore failed; the checkpoint is forgotten either way, as the driver
+        gives no second try (the process's GPU state is lost then, and the log says so).
+        """
+        try:
+            if procs.same_process(record.pid, record.create_time):
+                await asyncio.to_thread(self.arbiter.checkpointer.restore, record.pid, device_map)
+            return True
+        except CheckpointError as exc:
+            log.error(
+                "lease %s of kernel %s: restoring pid %s failed, its GPU state is lost: %s",
+                lease.id, lease.kernel_id, record.pid, exc,
+            )
+            return False
+        finally:
+            await asyncio.to_thread(self._drop, record)
+
+    async def restore(self, lease: Lease) -> None:
+        arbiter = self.arbiter
+        device_map = dict(zip(lease.home, lease.devices))
+        records = await asyncio.to_thread(arbiter.ledger.checkpoints, lease.id)
+        failed = []
+        try:
+            for record in records:
+                if not await self.restore_one(record, device_map, lease):
+                    failed.append(record.pid)
+        finally:
+            self.restores.pop(lease.id, None)
+        if failed:
+            why = f"restore failed, the kernel's GPU state is lost (pids {failed})"
+            log.error("lease %s of kernel %s: %s", lease.id, lease.kernel_id, why)
+            await arbiter.update(lease, lambda cur, now: core.released(cur, now, why))
+            arbiter.publish(ArbiterEvent("notice", notice=notice("lost", lease, why)))
+        else:
+            log.info(
+                "lease %s of kernel %s restored onto %s (pids %s)",
+                lease.id,
+                lease.kernel_id,
+                ",".join(lease.devices),
+                [r.pid for r in records],
+            )
+            arbiter.publish(ArbiterEvent("notice", notice=notice("resumed", lease, lease.reason)))
+        arbiter.wake(lease.id)
+
+    async def restore_orphans(self) -> None:
+        """Every checkpoint this ledger took is restored, whatever became of its lease.
+
+        A suspended lease's processes wait for their kernel's next cell. Any other checkpoint
+        (its lease released by the user, by a disconnect or a crash, or the arbiter restarted
+        halfway) is restored now, onto the GPU it came from, if its process still runs.
+        """
+        arbiter = self.arbiter
+        records = await asyncio.to_thread(arbiter.ledger.checkpoints)
+        if not records:
+            return
+        live = {lease.id: lease for lease in arbiter.state.leases}
+        for record in records:
+            lease = live.get(record.lease_id)
+            waiting = lease is not None and (
+                lease.state == LeaseState.SUSPENDED or (lease.home and lease.state == LeaseState.PENDING)
+            )
+            if waiting or self.busy(record.lease_id):
+                continue
+            gone = arbiter.known_lease(record.lease_id)
+            ok = await self.restore_one(record, None, gone or lease or _placeholder(record))
+            if ok and procs.same_process(record.pid, record.create_time):
+                log.warning(
+                    "lease %s of kernel %s is no longer suspended: restored pid %s onto %s so that it is not left frozen",
+                    record.lease_id, record.kernel_id, record.pid, ",".join(record.devices),
+                )
+
+    # -- outcomes -------------------------------------------------------------------------------
+    def reclaimed(self, lease: Lease, step: Step, kind: str, message: str, devices: Iterable[str] = ()) -> None:
+        devices = ",".join(devices) or ",".join(lease.home) or "-"
+        log.info("reclaim: lease %s of kernel %s: %s from %s: %s", lease.id, lease.kernel_id, step.value, devices, message)
+        if self.arbiter.metrics is not None:
+            self.arbiter.metrics.reclaimed(step.value)
+        self.arbiter.publish(ArbiterEvent("notice", notice=notice(kind, lease, message)))
+
+
+def _if_still(step: Step, fn: Callable[[Lease, float], Lease | None]) -> Callable[[Lease, float], Lease | None]:
+    """``fn`` applied only while the lease is still at ``step`` of its reclaim (nothing changed it)."""
+
+    def apply(cur: Lease, now: float) -> Lease | None:
+        if cur.state == LeaseState.RECLAIMING and cur.reclaim_step == step:
+            return fn(cur, now)
+        return None
+
+    return apply
+
+
+def _placeholder(record: Checkpoint) -> Lease:
+    """A stand-in lease for log lines about a checkpoint whose lease is no longer in the ledger."""
+    return core.Lease(id=record.lease_id, kernel_id=record.kernel_id, user="", count=1)
+
+
