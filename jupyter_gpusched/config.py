@@ -113,6 +113,13 @@ class SchedulingConfig(Configurable):
 
     poll_interval = Float(2.0, help="Seconds between reconcile ticks.").tag(config=True)
 
+    history_days = Float(
+        30.0,
+        help="""Days a released lease and its history stay in the ledger (`ledger_path`) before they
+        are pruned, so that the file stops growing; 0 keeps everything forever. Live leases are
+        never pruned, whatever their age.""",
+    ).tag(config=True)
+
     @validate("backend")
     def _valid_backend(self, proposal):
         if proposal["value"] not in BACKENDS:
@@ -143,6 +150,12 @@ class SchedulingConfig(Configurable):
     def _non_negative(self, proposal):
         if proposal["value"] < 0:
             raise TraitError(f"{proposal['trait'].name} must be 0 or more seconds")
+        return proposal["value"]
+
+    @validate("history_days")
+    def _non_negative_days(self, proposal):
+        if proposal["value"] < 0:
+            raise TraitError("history_days must be 0 (keep everything) or more days")
         return proposal["value"]
 
     @validate("poll_interval")
