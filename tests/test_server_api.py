@@ -41,6 +41,15 @@ async def test_openapi_document_describes_the_api(jp_fetch):
         "id", "kernel_id", "user", "devices", "device_indices", "memory", "mode", "state", "position",
         "granted_at", "last_active_at", "idle_seconds", "reclaim_at", "keep_until",
     }
+    operations = [op for item in doc["paths"].values() for method, op in item.items() if method != "parameters"]
+    assert all("403" in op["responses"] for op in operations)
+    claim = doc["paths"]["/api/gpusched/leases"]["post"]["responses"]
+    assert {"200", "201", "202", "400", "403", "404", "409", "503"} <= set(claim)
+    assert "Location" in claim["201"]["headers"]
+    assert "204" in doc["paths"]["/api/gpusched/leases/{lease_id}"]["delete"]["responses"]
+    freed = doc["paths"]["/api/gpusched/leases/{lease_id}/freed"]["post"]["responses"]
+    assert {"200", "400", "403", "404", "409"} <= set(freed)
+    assert {"101", "400", "403"} <= set(doc["paths"]["/api/gpusched/events"]["get"]["responses"])
 
 
 async def test_claim_grant_release_round_trip(jp_fetch, arbiter):
@@ -57,6 +66,9 @@ async def test_claim_grant_release_round_trip(jp_fetch, arbiter):
 
     # Asking again for the same kernel returns the lease it has.
     code, again = await api(jp_fetch, "leases", method="POST", body={"kernel_id": k1})
+    assert code == 200 and again["id"] == lease1["id"]
+    # 1.0 is a whole number in JSON as in the OpenAPI document.
+    code, again = await api(jp_fetch, "leases", method="POST", body={"kernel_id": k1, "count": 1.0})
     assert code == 200 and again["id"] == lease1["id"]
 
     code, listed = await api(jp_fetch, "leases", params={"kernel_id": k2})
@@ -124,6 +136,8 @@ async def test_keep_bounds_and_conflicts(jp_fetch, arbiter):
         code, err = await api(jp_fetch, "leases", lease["id"], "keep", method="POST", body=bad)
         assert code == 400, (bad, err)
         assert "seconds" in err["message"] or "keep" in err["message"]
+    code, err = await api(jp_fetch, "leases", lease["id"], "keep", method="POST", body={"seconds": 60, "until": "x"})
+    assert code == 400 and "until" in err["message"], err
     assert _ledger_rows(arbiter) == before
     code, kept = await api(jp_fetch, "leases", lease["id"], "keep", method="POST", body={"seconds": "30m"})
     assert code == 200 and kept["keep_until"] is not None

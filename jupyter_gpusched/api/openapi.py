@@ -1,29 +1,107 @@
-"""The OpenAPI document of the REST API, served at ``GET /api/gpusched/openapi.json``."""
+"""The OpenAPI document of the REST API, served at ``GET /api/gpusched/openapi.json``.
+
+Both the server and the hub broker serve it, and ``tests/test_openapi_conformance.py`` holds both
+to it with Schemathesis: every status code an operation can answer is listed, responses match
+their schemas, and a request body the schemas call invalid is refused (400). The request schemas
+take their patterns and bounds from :mod:`.input`, which checks bodies against the same grammar.
+"""
 
 from __future__ import annotations
 
+import copy
+
 from .._version import __version__
+from . import input as api_input
+from .routes import KERNEL_HEADER, SERVER_HEADER, TOKEN_HEADER
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 _LEASE = {"$ref": "#/components/schemas/Lease"}
+_DEVICE = {"$ref": "#/components/schemas/Device"}
 
 
-def _resp(description: str, schema: dict | None = None) -> dict:
+def _resp(description: str, schema: dict | None = None, headers: dict | None = None) -> dict:
     out: dict = {"description": description}
+    if headers:
+        out["headers"] = headers
     if schema is not None:
         out["content"] = {"application/json": {"schema": schema}}
     return out
 
 
-_ERRORS = {
-    "400": _resp("Bad input; the message names the field", _ERROR),
-    "403": _resp("Not allowed (another user's or another kernel's lease)", _ERROR),
-    "404": _resp("No such lease, kernel or device", _ERROR),
-    "409": _resp("Conflicts with the current state", _ERROR),
-    "503": _resp("No GPU inventory on this server", _ERROR),
+def _error(name: str) -> dict:
+    return {"$ref": f"#/components/responses/{name}"}
+
+
+#: The error answers, each ``{"message", "reason"}``; operations list those they can give.
+RESPONSES = {
+    "BadRequest": _resp(
+        "Bad input; the message names the field. The broker also answers 400 to a malformed "
+        f"{KERNEL_HEADER} or {SERVER_HEADER} header, on every operation.",
+        _ERROR,
+    ),
+    "Forbidden": _resp(
+        "No valid credentials, or not allowed: no token, an unknown kernel token "
+        f"({TOKEN_HEADER}), a kernel token used for another kernel's lease, another user's lease, "
+        "or an admin action by someone who is not an admin",
+        _ERROR,
+    ),
+    "NotFound": _resp("No such lease, running kernel or GPU", _ERROR),
+    "Conflict": _resp(
+        "Conflicts with the lease's state: a different claim for a kernel that already holds one, a "
+        "lease that was released meanwhile, a keep or an acknowledgement the lease is not in a state for, "
+        "or the per-user pending cap (broker)",
+        _ERROR,
+    ),
+    "Unavailable": _resp(
+        "No GPU can be scheduled (no inventory, every GPU drained or lost, or more GPUs asked "
+        "for than there are), the lease ledger cannot be written, or (hub mode) the GPU broker "
+        "cannot be reached",
+        _ERROR,
+    ),
 }
 
+#: Every operation may be refused (403); the broker may refuse a malformed identity header (400);
+#: in hub mode the server forwards to the broker, which may be unreachable (503).
+_READ_ERRORS = {"400": _error("BadRequest"), "403": _error("Forbidden"), "503": _error("Unavailable")}
+_FIND_ERRORS = {**_READ_ERRORS, "404": _error("NotFound")}
+_WRITE_ERRORS = {**_FIND_ERRORS, "409": _error("Conflict")}
+
+#: A whole number of bytes, or a size with a unit.
+_MEMORY = {
+    "anyOf": [
+        {"type": "integer", "minimum": 1, "maximum": api_input.MAX_CLAIM_MEMORY},
+        {"type": "string", "pattern": f"^{api_input.MEMORY_REGEX}$", "examples": ["16GiB", "512MiB"]},
+        {"type": "null"},
+    ],
+    "description": (
+        "memory per GPU: bytes, or a size such as '16GiB' (units B, K, KB, KiB, M, MB, MiB, G, "
+        "GB, GiB, T, TB, TiB, any case); null or '' for a whole GPU. More than the largest GPU "
+        "has is refused (400)."
+    ),
+}
+
+
+def _seconds(description: str, *, null: bool = False, boolean: bool = False) -> dict:
+    """Seconds as a number or a duration string (``30m``, ``1h30m``)."""
+    kinds: list[dict] = [
+        {"type": "number", "minimum": 0, "maximum": api_input.MAX_SECONDS},
+        {"type": "string", "pattern": f"^{api_input.DURATION_REGEX}$", "examples": ["30m", "1h30m"]},
+    ]
+    if boolean:
+        kinds.append({"type": "boolean"})
+    if null:
+        kinds.append({"type": "null"})
+    return {"anyOf": kinds, "description": description}
+
+
+def _body(schema: dict, required: bool = True) -> dict:
+    return {"required": required, "content": {"application/json": {"schema": schema}}}
+
+
 _TIME = {"type": ["string", "null"], "format": "date-time"}
+_ID_PATTERN = f"^{api_input.ID_REGEX}$"
+#: GPU and MIG UUIDs as the routes take them (``routes.DEVICE_UUID``).
+_UUID_PATTERN = "^[A-Za-z0-9_/-]{1,128}$"
 
 SCHEMAS = {
     "Error": {
@@ -33,6 +111,7 @@ SCHEMAS = {
     },
     "Process": {
         "type": "object",
+        "required": ["pid", "memory_used", "kernel_id"],
         "properties": {
             "pid": {"type": "integer"},
             "memory_used": {"type": ["integer", "null"]},
@@ -41,7 +120,9 @@ SCHEMAS = {
     },
     "Device": {
         "type": "object",
-        "required": ["uuid", "index", "name", "memory_total", "health", "lease_ids", "processes"],
+        "required": [
+            "uuid", "index", "name", "memory_total", "memory_used", "utilization", "health", "lease_ids", "processes",
+        ],
         "properties": {
             "uuid": {"type": "string"},
             "index": {"type": "integer"},
@@ -59,7 +140,10 @@ SCHEMAS = {
     },
     "Lease": {
         "type": "object",
-        "required": ["id", "kernel_id", "user", "devices", "device_indices", "memory", "mode", "state"],
+        "required": [
+            "id", "kernel_id", "user", "devices", "device_indices", "memory", "mode", "state", "position",
+            "granted_at", "last_active_at", "idle_seconds", "reclaim_at", "keep_until",
+        ],
         "properties": {
             "id": {"type": "string"},
             "kernel_id": {"type": ["string", "null"], "description": "null when held by another user"},
@@ -155,6 +239,7 @@ SCHEMAS = {
             "is_admin": {"type": "boolean"},
             "checkpoint": {
                 "type": "object",
+                "required": ["available", "reason"],
                 "properties": {"available": {"type": "boolean"}, "reason": {"type": "string"}},
             },
             "devices": {"type": "array", "items": {"$ref": "#/components/schemas/Device"}},
@@ -164,37 +249,113 @@ SCHEMAS = {
     },
     "Claim": {
         "type": "object",
+        "description": "POST /api/gpusched/leases: what a kernel asks for; null in a field means its default",
         "required": ["kernel_id"],
         "additionalProperties": False,
         "properties": {
-            "kernel_id": {"type": "string", "minLength": 1},
-            "count": {"type": "integer", "minimum": 1, "default": 1},
-            "memory": {
-                "oneOf": [{"type": "string", "example": "16GiB"}, {"type": "integer", "minimum": 1}],
-                "description": "per GPU; absent = a whole GPU",
+            "kernel_id": {"type": "string", "pattern": _ID_PATTERN, "description": "a running kernel's id"},
+            "count": {
+                "type": ["integer", "null"],
+                "minimum": 1,
+                "maximum": api_input.INT_LIMIT,
+                "default": 1,
+                "description": "GPUs; more than this host has is refused (400)",
             },
-            "mode": {"type": "string", "enum": ["exclusive", "shared"], "default": "exclusive"},
-            "priority": {"type": "integer", "default": 0},
-            "wait": {
-                "oneOf": [{"type": "number", "minimum": 0}, {"type": "string"}],
-                "description": "seconds to wait for a grant before answering 202 (at most 30)",
+            "memory": _MEMORY,
+            "mode": {"enum": ["exclusive", "shared", None], "default": "exclusive"},
+            "priority": {
+                "type": ["integer", "null"],
+                "minimum": -api_input.INT_LIMIT,
+                "maximum": api_input.INT_LIMIT,
+                "default": 0,
+                "description": "ties in the queue; in hub mode only an admin raises it above 0 (403)",
             },
+            "wait": _seconds(
+                f"seconds to wait for a grant before answering 202 (at most {api_input.MAX_WAIT:.0f}; "
+                f"true: {api_input.MAX_WAIT:.0f}, false or null: 0)",
+                null=True,
+                boolean=True,
+            ),
         },
+    },
+}
+
+_KEEP = {
+    "type": "object",
+    "required": ["seconds"],
+    "additionalProperties": False,
+    "properties": {
+        "seconds": _seconds("how long to keep the lease, at most max_keep (else 400); 0 ends a keep"),
+    },
+}
+_FREED = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "frameworks": {
+            "type": "array",
+            "maxItems": api_input.MAX_FRAMEWORKS,
+            "items": {"type": "string", "minLength": 1, "maxLength": api_input.MAX_FRAMEWORK_NAME},
+            "description": "the frameworks whose caches the kernel dropped (torch, tensorflow, jax, cupy); may be empty",
+        }
+    },
+}
+_REASON = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "reason": {"type": "string", "maxLength": api_input.MAX_REASON, "description": "shown as the GPU's drain_reason"}
     },
 }
 
 
 def openapi_document() -> dict:
-    lease_id = {"name": "lease_id", "in": "path", "required": True, "schema": {"type": "string"}}
-    uuid = {"name": "uuid", "in": "path", "required": True, "schema": {"type": "string"}}
+    """The document, new each call (callers may change their copy)."""
+    lease_id = {"$ref": "#/components/parameters/LeaseId"}
+    uuid = {"$ref": "#/components/parameters/DeviceUuid"}
     return {
         "openapi": "3.1.0",
-        "info": {"title": "jupyter-gpusched", "version": __version__},
+        "info": {
+            "title": "jupyter-gpusched",
+            "version": __version__,
+            "description": (
+                "GPU leases for Jupyter kernels. The server serves this API under its base URL; in hub "
+                "mode the GPU broker serves the same API under its service prefix (e.g. "
+                "/services/gpusched/), authenticated with a JupyterHub token only, where a server "
+                f"names the kernel a call is for in {KERNEL_HEADER} and itself in {SERVER_HEADER}. "
+                "Errors are {message, reason}."
+            ),
+        },
         "components": {
-            "schemas": SCHEMAS,
+            "schemas": copy.deepcopy(SCHEMAS),
+            "responses": copy.deepcopy(RESPONSES),
+            "parameters": {
+                "LeaseId": {
+                    "name": "lease_id",
+                    "in": "path",
+                    "required": True,
+                    "schema": {"type": "string", "pattern": _ID_PATTERN},
+                },
+                "DeviceUuid": {
+                    "name": "uuid",
+                    "in": "path",
+                    "required": True,
+                    "schema": {"type": "string", "pattern": _UUID_PATTERN},
+                },
+            },
             "securitySchemes": {
-                "jupyter": {"type": "apiKey", "in": "header", "name": "Authorization"},
-                "kernel": {"type": "apiKey", "in": "header", "name": "X-GPUSched-Token"},
+                "jupyter": {
+                    "type": "apiKey",
+                    "in": "header",
+                    "name": "Authorization",
+                    "description": "'token ...': the server's token (standalone) or a JupyterHub token (broker)",
+                },
+                "kernel": {
+                    "type": "apiKey",
+                    "in": "header",
+                    "name": TOKEN_HEADER,
+                    "description": "a kernel's own token (server only): good for that kernel's lease only",
+                },
             },
         },
         "security": [{"jupyter": []}, {"kernel": []}],
@@ -202,101 +363,107 @@ def openapi_document() -> dict:
             "/api/gpusched/status": {
                 "get": {
                     "summary": "The host's GPUs, leases and queue",
-                    "responses": {"200": _resp("Status", {"$ref": "#/components/schemas/Status"})},
+                    "responses": {"200": _resp("Status", {"$ref": "#/components/schemas/Status"}), **_READ_ERRORS},
                 }
             },
             "/api/gpusched/devices": {
                 "get": {
                     "summary": "GPUs with telemetry",
-                    "responses": {
-                        "200": _resp("Devices", {"type": "array", "items": {"$ref": "#/components/schemas/Device"}})
-                    },
+                    "responses": {"200": _resp("Devices", {"type": "array", "items": _DEVICE}), **_READ_ERRORS},
                 }
             },
             "/api/gpusched/leases": {
                 "get": {
                     "summary": "Leases, optionally of one kernel",
-                    "parameters": [{"name": "kernel_id", "in": "query", "schema": {"type": "string"}}],
-                    "responses": {"200": _resp("Leases", {"type": "array", "items": _LEASE}), **_ERRORS},
+                    "parameters": [
+                        {
+                            "name": "kernel_id",
+                            "in": "query",
+                            "schema": {"type": "string"},
+                            "description": "only this kernel's leases (none: all the caller sees)",
+                        }
+                    ],
+                    "responses": {"200": _resp("Leases", {"type": "array", "items": _LEASE}), **_READ_ERRORS},
                 },
                 "post": {
                     "summary": "Ask for GPUs for a kernel (resumes a suspended lease)",
-                    "requestBody": {
-                        "required": True,
-                        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Claim"}}},
-                    },
+                    "requestBody": _body({"$ref": "#/components/schemas/Claim"}),
                     "responses": {
                         "200": _resp("The kernel already holds a matching lease", _LEASE),
-                        "201": _resp("Granted", _LEASE),
+                        "201": _resp(
+                            "Granted (or resumed)",
+                            _LEASE,
+                            headers={
+                                "Location": {"description": "the lease's URL", "required": True, "schema": {"type": "string"}}
+                            },
+                        ),
                         "202": _resp("Waiting in the queue; see position", _LEASE),
-                        **_ERRORS,
+                        **_WRITE_ERRORS,
                     },
                 },
             },
             "/api/gpusched/leases/{lease_id}": {
                 "parameters": [lease_id],
-                "get": {"summary": "One lease", "responses": {"200": _resp("Lease", _LEASE), **_ERRORS}},
-                "delete": {"summary": "Release now", "responses": {"204": _resp("Released"), **_ERRORS}},
+                "get": {"summary": "One lease", "responses": {"200": _resp("Lease", _LEASE), **_FIND_ERRORS}},
+                "delete": {
+                    "summary": "Release now (a lease already released: nothing to do)",
+                    "responses": {"204": _resp("Released"), **_FIND_ERRORS},
+                },
             },
             "/api/gpusched/leases/{lease_id}/keep": {
                 "parameters": [lease_id],
                 "post": {
                     "summary": "No idle reclaim for a while (at most max_keep; 0 ends a keep)",
-                    "requestBody": {
-                        "required": True,
-                        "content": {
-                            "application/json": {
-                                "schema": {
-                                    "type": "object",
-                                    "required": ["seconds"],
-                                    "properties": {"seconds": {"oneOf": [{"type": "number"}, {"type": "string"}]}},
-                                }
-                            }
-                        },
-                    },
-                    "responses": {"200": _resp("Lease", _LEASE), **_ERRORS},
+                    "requestBody": _body(_KEEP),
+                    "responses": {"200": _resp("Lease", _LEASE), **_WRITE_ERRORS},
                 },
             },
             "/api/gpusched/leases/{lease_id}/freed": {
                 "parameters": [lease_id],
                 "post": {
-                    "summary": "The kernel dropped its framework caches, as a free-cache reclaim step asked",
-                    "requestBody": {
-                        "required": True,
-                        "content": {
-                            "application/json": {
-                                "schema": {
-                                    "type": "object",
-                                    "properties": {
-                                        "frameworks": {"type": "array", "maxItems": 16, "items": {"type": "string"}}
-                                    },
-                                    "additionalProperties": False,
-                                }
-                            }
-                        },
-                    },
-                    "responses": {"200": _resp("Lease", _LEASE), **_ERRORS},
+                    "summary": "The kernel dropped its framework caches, as a free-cache reclaim step asked (else 409)",
+                    "requestBody": _body(_FREED, required=False),
+                    "responses": {"200": _resp("Lease", _LEASE), **_WRITE_ERRORS},
                 },
             },
             "/api/gpusched/devices/{uuid}/drain": {
                 "parameters": [uuid],
                 "post": {
                     "summary": "Admin: no new grants on this GPU",
-                    "responses": {"200": _resp("Device", {"$ref": "#/components/schemas/Device"}), **_ERRORS},
+                    "requestBody": _body(_REASON, required=False),
+                    "responses": {"200": _resp("Device", _DEVICE), **_FIND_ERRORS},
                 },
             },
             "/api/gpusched/devices/{uuid}/undrain": {
                 "parameters": [uuid],
                 "post": {
                     "summary": "Admin: back in service",
-                    "responses": {"200": _resp("Device", {"$ref": "#/components/schemas/Device"}), **_ERRORS},
+                    "requestBody": _body(_REASON, required=False),
+                    "responses": {"200": _resp("Device", _DEVICE), **_FIND_ERRORS},
                 },
             },
             "/api/gpusched/events": {
                 "get": {
                     "summary": "Websocket of {type: snapshot | lease | device | notice, ...}",
-                    "responses": {"101": _resp("Switching protocols")},
+                    "description": "The broker takes its token as ?token= too.",
+                    "security": [{"jupyter": []}],
+                    "responses": {
+                        "101": _resp("Switching protocols"),
+                        "400": _resp("Not a websocket request (Can \"Upgrade\" only to \"WebSocket\".)"),
+                        "403": _resp("No valid credentials"),
+                    },
+                }
+            },
+            "/api/gpusched/openapi.json": {
+                "get": {
+                    "summary": "This document",
+                    "responses": {
+                        "200": _resp("The OpenAPI document", {"type": "object"}),
+                        "400": _error("BadRequest"),
+                        "403": _error("Forbidden"),
+                    },
                 }
             },
         },
     }
+
