@@ -2,7 +2,8 @@
 
 ``churn``: for ``--seconds``, claim a simulated GPU (sometimes two) for a fresh kernel, wait for
 the grant, hold it briefly, release it; a few claims are abandoned by raising inside their
-transaction. Writes what it committed and what it abandoned to ``--out`` (JSON) at the end.
+transaction. Writes what it committed and what it abandoned to ``--out`` (JSON) at the end. With
+``--history S``, after each release it also prunes the leases released more than S seconds ago.
 
 ``pause``: claim one GPU and commit, then open a second transaction, write a second claim, create
 ``--ready`` and sleep inside the transaction until killed.
@@ -48,10 +49,11 @@ def claim(tx: Transaction, worker: int, me: OwnerId, count: int = 1) -> str:
     return lease_id
 
 
-def churn(ledger: Ledger, worker: int, seconds: float, rng: random.Random) -> dict:
+def churn(ledger: Ledger, worker: int, seconds: float, rng: random.Random, history: float | None = None) -> dict:
     me = OwnerId.current()
     committed: list[str] = []
     abandoned: list[str] = []
+    pruned = 0
     deadline = time.time() + seconds
     while time.time() < deadline:
         count = 2 if rng.random() < 0.2 else 1
@@ -82,7 +84,9 @@ def churn(ledger: Ledger, worker: int, seconds: float, rng: random.Random) -> di
         with ledger.transaction() as tx:
             tx.put(released(tx.lease(lease_id), tx.now, f"worker {worker} is done with it"))
             schedule(tx, tx.leases())  # hand the freed GPU to whoever waits
-    return {"committed": committed, "abandoned": abandoned}
+        if history is not None:
+            pruned += ledger.prune(time.time() - history, batch=rng.choice((1, 5, 500)))
+    return {"committed": committed, "abandoned": abandoned, "pruned": pruned}
 
 
 def pause(ledger: Ledger, ready: str) -> None:
@@ -104,6 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--worker", type=int, default=0)
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--history", type=float, help="prune leases released this many seconds ago")
     parser.add_argument("--out")
     parser.add_argument("--ready")
     args = parser.parse_args(argv)
@@ -112,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.mode == "pause":
             pause(ledger, args.ready)
         else:
-            result = churn(ledger, args.worker, args.seconds, random.Random(args.seed))
+            result = churn(ledger, args.worker, args.seconds, random.Random(args.seed), args.history)
             with open(args.out, "w") as f:
                 json.dump(result, f)
     finally:

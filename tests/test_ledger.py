@@ -284,6 +284,9 @@ def test_history_is_append_only(ledger):
         for sql in ("UPDATE events SET kind = 'grant'", "DELETE FROM events"):
             with pytest.raises(sqlite3.DatabaseError, match="append-only"):
                 raw.execute(sql)
+        # Nor may a live lease go, with its history or without.
+        with pytest.raises(sqlite3.DatabaseError, match="live lease cannot be deleted"):
+            raw.execute("DELETE FROM leases")
     finally:
         raw.close()
 
@@ -395,7 +398,7 @@ def test_migrates_a_version_1_file(tmp_path):
     path = tmp_path / "v1.sqlite"
     write_v1(path)
     with Ledger(path) as led:
-        assert led.schema_version == SCHEMA_VERSION == 3
+        assert led.schema_version == SCHEMA_VERSION == 4
         old = led.lease("old")
         assert old.state == LeaseState.ACTIVE and old.devices == ("GPU-0",) and old.gaps == (2.5,)
         assert [(e.kind, e.pid) for e in led.events()] == [("claim", None), ("grant", None)]
@@ -413,6 +416,12 @@ def test_migrates_a_version_1_file(tmp_path):
         with led.transaction() as tx:
             tx.drop_checkpoint(4242, 99.5)
         assert led.checkpoints() == []
+        # And what version 4 added: the released lease and its history can be pruned.
+        assert led.prune(older_than=time.time() + 60) == 1
+        assert led.lease("old") is None and led.events("old") == [] and led.owners(live_only=False) == {}
+        assert [e.kind for e in led.events()] == ["drain"]
+        assert (led.pruned().leases, led.pruned().events) == (1, 3)
+        assert led.check(DEVICES) == []
 
 
 def test_failed_migration_changes_nothing(tmp_path):

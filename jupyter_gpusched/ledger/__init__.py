@@ -23,6 +23,10 @@ The history is written by :meth:`Transaction.put` itself whenever a lease gains 
 :meth:`Ledger.check` cannot miss a grant a caller forgot to record; :meth:`Transaction.record`
 adds the rest (reclaim decisions, notices, admin actions).
 
+Retention: :meth:`Ledger.prune` deletes the oldest released leases with their history and
+owners, a batch per short transaction, so that the file stops growing; live leases are never
+pruned, and :meth:`Ledger.check` holds over what remains; :meth:`Ledger.pruned` says what went.
+
 A file this code cannot use (not SQLite, corrupt, unreadable, or written by a newer version) is
 never modified: :class:`LedgerError` says which file and what to do.
 
@@ -36,7 +40,7 @@ from __future__ import annotations
 from ..procs import START_TIME_TOLERANCE, OwnerId, is_alive
 from .audit import ACQUIRE_KINDS, CLAIM, FREE_KINDS, GRANT, RELEASE, RESTORE, SUSPEND
 from .errors import LedgerBusy, LedgerConflict, LedgerError
-from .rows import LEASE_COLUMNS, Checkpoint, Event, Owner
+from .rows import LEASE_COLUMNS, Checkpoint, Event, Owner, Pruned
 from .schema import MIGRATIONS, SCHEMA_VERSION
 from .store import ALLOW_SHARED_SETTING, Ledger
 from .transaction import Transaction
@@ -62,6 +66,7 @@ __all__ = [
     "LedgerError",
     "Owner",
     "OwnerId",
+    "Pruned",
     "Transaction",
     "is_alive",
 ]

@@ -3,6 +3,14 @@
 The events table is append-only (triggers refuse UPDATE and DELETE, see :mod:`.schema`), and
 :meth:`Transaction.put` writes every change of held devices itself, so replaying the history must
 end where the leases table stands; :func:`check_history` says where it does not.
+
+Retention (:meth:`Transaction.prune`) is the one exception: a released lease is deleted together
+with its whole history, and the schema lets a lease's events go only once the lease is gone. A
+released lease holds nothing, so its history, replayed on its own, gives back every device it
+took; removing it whole neither hides nor invents a holder of any other lease, and the replay of
+what remains still ends where the leases table stands. What the replay can no longer see is a
+double grant in which a pruned lease took part: the check covers the retained window, and the
+``pruned`` table (one row, :meth:`Ledger.pruned`) says how much went before it.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ __all__ = [
     "Checkpoint",
     "Event",
     "Owner",
+    "Pruned",
     "event_from_row",
     "from_row",
     "select_checkpoints",
@@ -24,6 +25,7 @@ __all__ = [
     "select_lease",
     "select_leases",
     "select_owners",
+    "select_pruned",
     "to_row",
 ]
 
@@ -68,6 +70,19 @@ class Checkpoint:
     devices: tuple[str, ...]
     memory: int | None
     taken_at: float
+
+
+@dataclass(frozen=True)
+class Pruned:
+    """What retention took out of the ledger, all prunes together."""
+
+    leases: int
+    events: int
+    #: When the most recently released of the pruned leases was released: every pruned lease
+    #: was released at or before it.
+    last_released_at: float
+    #: When the last prune ran.
+    at: float
 
 
 def dump(values: Iterable[Any]) -> str:
@@ -139,8 +154,18 @@ def select_lease(conn: sqlite3.Connection, lease_id: str) -> Lease | None:
     return None if row is None else from_row(row)
 
 
-def select_owners(conn: sqlite3.Connection) -> dict[str, Owner]:
-    rows = conn.execute("SELECT lease_id, kernel_id, server_id, pid, create_time, hostname, since FROM owners")
+def select_owners(conn: sqlite3.Connection, live_only: bool = True) -> dict[str, Owner]:
+    columns = "o.lease_id, o.kernel_id, o.server_id, o.pid, o.create_time, o.hostname, o.since"
+    if live_only:
+        # Through the leases' state index: every pass reads owners, and released leases'
+        # owners (kept until pruned) outnumber the live ones.
+        marks = ", ".join("?" for _ in LIVE_STATES)
+        rows = conn.execute(
+            f"SELECT {columns} FROM leases AS l JOIN owners AS o ON o.lease_id = l.id WHERE l.state IN ({marks})",
+            LIVE_STATES,
+        )
+    else:
+        rows = conn.execute(f"SELECT {columns} FROM owners AS o")
     return {
         lease_id: Owner(lease_id, kernel_id, server_id, OwnerId(pid, create_time, hostname), since)
         for lease_id, kernel_id, server_id, pid, create_time, hostname, since in rows
@@ -161,3 +186,8 @@ def select_checkpoints(conn: sqlite3.Connection, lease_id: str | None = None) ->
         Checkpoint(r[0], r[1], r[2], r[3], strs(r[4]), r[5], r[6])
         for r in conn.execute(sql + " ORDER BY taken_at, pid", args)
     ]
+
+
+def select_pruned(conn: sqlite3.Connection) -> Pruned | None:
+    row = conn.execute("SELECT leases, events, last_released_at, at FROM pruned WHERE id = 1").fetchone()
+    return None if row is None else Pruned(*row)

@@ -104,10 +104,45 @@ def _v3(conn: sqlite3.Connection) -> None:
     conn.execute("CREATE INDEX checkpoints_lease ON checkpoints(lease_id)")
 
 
+def _v4(conn: sqlite3.Connection) -> None:
+    """Retention: a released lease and its history may be pruned together, and nothing else may.
+
+    The history stays append-only for every lease the ledger still has and for events about no
+    lease (drains); the events of a lease may go only once the lease itself is gone, and only a
+    released lease may go. Replaying what remains (:func:`.audit.check_history`) still ends where
+    the leases table stands, because a released lease holds nothing and its history is removed
+    whole.
+    """
+    # (state, released_at): live leases are read by state on every pass without touching the
+    # released ones, and pruning finds the oldest released leases without a scan.
+    conn.execute("DROP INDEX IF EXISTS leases_state")
+    conn.execute("CREATE INDEX leases_state_released ON leases(state, released_at)")
+    conn.execute("DROP TRIGGER IF EXISTS events_no_delete")
+    conn.execute(
+        """CREATE TRIGGER events_no_delete BEFORE DELETE ON events
+        WHEN OLD.lease_id IS NULL OR EXISTS (SELECT 1 FROM leases WHERE id = OLD.lease_id)
+        BEGIN SELECT RAISE(ABORT, 'the events table is append-only (only a pruned lease''s history may go)'); END"""
+    )
+    # One row: how much was pruned, so that a shorter history is never mistaken for a complete one.
+    conn.execute(
+        """CREATE TABLE pruned (
+            id INTEGER PRIMARY KEY CHECK (id = 1),
+            leases INTEGER NOT NULL,
+            events INTEGER NOT NULL,
+            last_released_at REAL NOT NULL,
+            at REAL NOT NULL
+        )"""
+    )
+    conn.execute(
+        """CREATE TRIGGER leases_no_live_delete BEFORE DELETE ON leases WHEN OLD.state != 'released'
+        BEGIN SELECT RAISE(ABORT, 'a live lease cannot be deleted, only released'); END"""
+    )
+
+
 #: ``MIGRATIONS[n]`` takes a file from schema ``n`` to ``n + 1``; a new file runs them all.
-MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_v1, _v2, _v3)
+MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_v1, _v2, _v3, _v4)
 SCHEMA_VERSION = len(MIGRATIONS)
-TABLES = frozenset({"leases", "events", "owners", "devices", "checkpoints"})
+TABLES = frozenset({"leases", "events", "owners", "devices", "checkpoints", "pruned"})
 
 
 def user_tables(conn: sqlite3.Connection) -> set[str]:

@@ -19,12 +19,14 @@ from .rows import (
     Checkpoint,
     Event,
     Owner,
+    Pruned,
     event_from_row,
     select_checkpoints,
     select_drained,
     select_lease,
     select_leases,
     select_owners,
+    select_pruned,
 )
 from .schema import MIGRATIONS, SCHEMA_VERSION, SQLITE_MAGIC, TABLES, schema_tables, user_tables
 from .transaction import Transaction
@@ -268,9 +270,9 @@ class Ledger:
         """One lease, or ``None``."""
         return self._read(lambda c: select_lease(c, lease_id))
 
-    def owners(self) -> dict[str, Owner]:
-        """Owner of each lease that has one, by lease id."""
-        return self._read(select_owners)
+    def owners(self, live_only: bool = True) -> dict[str, Owner]:
+        """Owner of each live lease that has one, by lease id; of released ones too unless ``live_only``."""
+        return self._read(lambda c: select_owners(c, live_only))
 
     def drained(self) -> dict[str, str]:
         """Drained devices: uuid -> the admin's reason."""
@@ -279,6 +281,10 @@ class Ledger:
     def checkpoints(self, lease_id: str | None = None) -> list[Checkpoint]:
         """Checkpointed processes not restored yet, of one lease or all."""
         return self._read(lambda c: select_checkpoints(c, lease_id))
+
+    def pruned(self) -> Pruned | None:
+        """What :meth:`prune` took out so far, or ``None`` if the history is complete."""
+        return self._read(select_pruned)
 
     def events(self, lease_id: str | None = None, *, since: int = 0) -> list[Event]:
         """The history in order, after sequence number ``since``, of one lease or all."""
@@ -316,6 +322,26 @@ class Ledger:
                 )
         return out
 
+    def prune(self, older_than: float, batch: int = 500) -> int:
+        """Delete at most ``batch`` leases released before ``older_than``; return how many.
+
+        One short write transaction (see :meth:`Transaction.prune` for what goes with a lease).
+        It blocks: call it off the event loop, again while it returns ``batch``.
+
+        Args:
+            older_than: seconds since the epoch (e.g. ``time.time() - history_days * 86400``);
+                a lease released at this time or later stays.
+            batch: the most leases deleted by this call (at least 1).
+
+        Raises:
+            LedgerBusy: the write lock stayed taken for ``busy_timeout`` seconds.
+        """
+        with self.transaction() as tx:
+            pruned = tx.prune(older_than, batch)
+        if pruned:
+            log.info("GPU ledger %s: pruned %d leases released before %.0f", self.path, pruned, older_than)
+        return pruned
+
     def check(self, devices: Sequence[Device] | None = None, *, history: bool = True) -> list[str]:
         """Integrity problems, one sentence each; an empty list means the ledger is sound.
 
@@ -332,7 +358,7 @@ class Ledger:
             conn.execute("BEGIN")
             try:
                 leases = select_leases(conn, live_only=False)
-                owners = select_owners(conn)
+                owners = select_owners(conn, live_only=True)
                 rows = conn.execute(
                     "SELECT seq, at, kind, lease_id, kernel_id, devices, reason, pid FROM events ORDER BY seq"
                 ) if history else []

@@ -6,7 +6,7 @@ import logging
 import os
 import sqlite3
 
-from ..core import Lease
+from ..core import Lease, LeaseState
 from ..procs import OwnerId
 from .audit import transition_events
 from .errors import LedgerConflict, LedgerError
@@ -93,6 +93,45 @@ class Transaction:
             )
         return before
 
+    def prune(self, older_than: float, batch: int = 500) -> int:
+        """Delete at most ``batch`` leases released before ``older_than``, with all that is theirs.
+
+        The oldest go first. A lease goes with its history, its owner row and nothing else; a
+        lease with a checkpoint not restored yet stays until the checkpoint is dropped, and a live
+        lease is never touched (the schema refuses to delete one). The ``pruned`` row adds up what
+        went (:meth:`Ledger.pruned`). Returns how many leases were deleted.
+
+        Args:
+            older_than: seconds since the epoch; a lease released at this time or later stays.
+            batch: the most leases deleted by this call (at least 1).
+        """
+        if batch < 1:
+            raise ValueError(f"batch must be 1 or more leases, not {batch!r}")
+        conn = self._c()
+        rows = list(
+            conn.execute(
+                """SELECT id, released_at FROM leases WHERE state = ? AND released_at < ?
+                   AND NOT EXISTS (SELECT 1 FROM checkpoints AS c WHERE c.lease_id = leases.id)
+                   ORDER BY released_at LIMIT ?""",
+                (LeaseState.RELEASED.value, float(older_than), int(batch)),
+            )
+        )
+        if not rows:
+            return 0
+        ids = [(lease_id,) for lease_id, _ in rows]
+        # The leases first: the schema lets a lease's events go only once the lease is gone.
+        conn.executemany("DELETE FROM leases WHERE id = ?", ids)
+        events = conn.executemany("DELETE FROM events WHERE lease_id = ?", ids).rowcount
+        conn.executemany("DELETE FROM owners WHERE lease_id = ?", ids)
+        conn.execute(
+            """INSERT INTO pruned (id, leases, events, last_released_at, at) VALUES (1, ?, ?, ?, ?)
+               ON CONFLICT(id) DO UPDATE SET leases = leases + excluded.leases, events = events + excluded.events,
+                 last_released_at = max(last_released_at, excluded.last_released_at), at = excluded.at""",
+            (len(ids), events, rows[-1][1], self.now),
+        )
+        log.debug("GPU ledger: pruned %d released leases and their %d events", len(ids), events)
+        return len(ids)
+
     # history
     def record(self, event: Event) -> int:
         """Append ``event`` to the history; return its sequence number."""
@@ -128,9 +167,9 @@ class Transaction:
         log.debug("lease %s of kernel %s: owned by pid %s on %s", lease_id, kernel_id, p.pid, p.hostname)
         return owner
 
-    def owners(self) -> dict[str, Owner]:
-        """Owner of each lease that has one, by lease id."""
-        return select_owners(self._c())
+    def owners(self, live_only: bool = True) -> dict[str, Owner]:
+        """Owner of each live lease that has one, by lease id; of released ones too unless ``live_only``."""
+        return select_owners(self._c(), live_only)
 
     # checkpoints
     def add_checkpoint(self, checkpoint: Checkpoint) -> None:
