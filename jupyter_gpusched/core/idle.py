@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Sequence
 
 from .model import KernelActivity, Lease, SchedConfig
@@ -80,6 +81,33 @@ class HostPrior:
 
     def excluding(self, lease_id: str | None) -> tuple[float, ...]:
         """The most recent ``limit`` spells of every lease but ``lease_id``."""
+        if self.limit <= 0:
+            return ()
+        flat, spans = self._index
+        span = spans.get(lease_id)  # type: ignore[arg-type]
+        if span is None:
+            return flat[-self.limit :]
+        if span[0] < 0:
+            return self._excluding_slowly(lease_id)
+        # The last ``limit`` spells with the lease's own segment cut out, by slicing: a pass asks
+        # this of every lease, so walking every segment each time would cost leases squared.
+        start, stop = span
+        after = len(flat) - stop
+        if after >= self.limit:
+            return flat[-self.limit :]
+        return flat[max(0, start - (self.limit - after)) : start] + flat[stop:]
+
+    @cached_property
+    def _index(self) -> tuple[tuple[float, ...], dict[str, tuple[int, int]]]:
+        """Every spell in order, and where each lease's segment lies in it ((-1, -1): in several)."""
+        flat: list[float] = []
+        spans: dict[str, tuple[int, int]] = {}
+        for owner, spells in self.segments:
+            spans[owner] = (-1, -1) if owner in spans else (len(flat), len(flat) + len(spells))
+            flat.extend(spells)
+        return tuple(flat), spans
+
+    def _excluding_slowly(self, lease_id: str | None) -> tuple[float, ...]:
         out: list[tuple[float, ...]] = []
         room = self.limit
         for owner, spells in reversed(self.segments):

@@ -12,6 +12,7 @@ from typing import AbstractSet, Iterable, Mapping, Sequence
 
 from . import fairness, idle, ladder
 from .model import (
+    EXCLUSIVE,
     Capabilities,
     Decision,
     Device,
@@ -22,7 +23,7 @@ from .model import (
     SchedConfig,
     Step,
 )
-from .placement import Occupancy, fits, occupancy, occupy, place, schedulable, vacate
+from .placement import Occupancy, fits, occupy, place, schedulable, vacate
 from .units import format_duration
 
 
@@ -41,10 +42,33 @@ class _Limits:
         return found
 
 
+class _Host:
+    """What a pass derives from the devices alone; a caller that passes the same tuple of devices
+    pass after pass (the simulator) gets it without walking every device each time."""
+
+    def __init__(self, devices: tuple[Device, ...]) -> None:
+        self.devices = devices
+        self.by_uuid = {d.uuid: d for d in devices}
+        self.pool = schedulable(devices)
+        self.empty_occ = {d.uuid: Occupancy(False, 0, 0) for d in devices}
+
+
+_last_host: _Host | None = None
+
+
+def _host(devices: tuple[Device, ...]) -> _Host:
+    global _last_host
+    host = _last_host
+    if host is None or host.devices is not devices:
+        host = _last_host = _Host(devices)
+    return host
+
+
 class _Pass:
     def __init__(self, devices, leases, activity, now, cfg, caps) -> None:
         self.devices: Sequence[Device] = tuple(devices)
-        self.by_uuid = {d.uuid: d for d in self.devices}
+        host = _host(self.devices)
+        self.by_uuid = host.by_uuid
         self.input = {lease.id: lease for lease in leases}
         self.leases: dict[str, Lease] = dict(self.input)
         self.activity = activity
@@ -52,14 +76,17 @@ class _Pass:
         self.cfg = cfg
         self.caps = caps
         self.decisions: list[Decision] = []
-        self.pool = schedulable(self.devices)
-        self.empty_occ = {d.uuid: Occupancy(False, 0, 0) for d in self.devices}
+        self.pool = host.pool
+        # Read only: placement copies nothing into it.
+        self.empty_occ = host.empty_occ
         self._could_fit: dict[tuple, bool] = {}
         self.wakeups: list[float] = []
 
     # -- helpers ---------------------------------------------------------------------------
     def set(self, lease: Lease, kind: str | None = None, reason: str = "", position: int | None = None) -> Lease:
-        if lease != self.input.get(lease.id) and lease.version == self.input[lease.id].version:
+        before = self.input.get(lease.id)
+        # ``is`` first: comparing two records field by field costs more than the rest of set().
+        if lease is not before and lease != before and lease.version == self.input[lease.id].version:
             lease = replace(lease, version=lease.version + 1)
         self.leases[lease.id] = lease
         if kind is not None:
@@ -73,6 +100,29 @@ class _Pass:
     def live(self) -> list[Lease]:
         return [le for le in self.leases.values() if le.live]
 
+    def occupancy(self, leases: Iterable[Lease]) -> dict[str, Occupancy]:
+        """``placement.occupancy(self.devices, leases)``, from the devices nobody holds: the
+        work is in the leases that hold devices, not in every device of the host."""
+        occ = dict(self.empty_occ)
+        counts: dict[str, list] = {}
+        for lease in leases:
+            if not lease.holding:
+                continue
+            for uuid in lease.devices:
+                device = self.by_uuid.get(uuid)
+                if device is None:
+                    continue
+                count = counts.get(uuid)
+                if count is None:
+                    count = counts[uuid] = [False, 0, 0]
+                count[2] += 1
+                if lease.mode == EXCLUSIVE:
+                    count[0] = True
+                count[1] += lease.promised_memory(device)
+        for uuid, (exclusive, promised, holders) in counts.items():
+            occ[uuid] = Occupancy(exclusive, promised, holders)
+        return occ
+
     def pinned(self, lease: Lease) -> bool:
         return lease.keep_until is not None and lease.keep_until > self.now
 
@@ -81,7 +131,10 @@ class _Pass:
         self.observe()
         limits = _Limits(idle.host_prior(self.live()), self.cfg)
         self.mark_idle(limits)
-        usage = fairness.Usage(self.live(), self.cfg.quotas, fairness.fair_share(self.devices, self.live()))
+        live = self.live()
+        # fairness.fair_share(self.devices, live), with the schedulable devices counted once per host.
+        share = len(self.pool) / max(1, len({lease.user for lease in live}))
+        usage = fairness.Usage(live, self.cfg.quotas, share)
         queue, blocked = self.grant([le for le in self.live() if le.state == LeaseState.PENDING], usage)
         wanted = self.victims_for(blocked, usage, limits)
         wanted.update(self.uncontended(limits))
@@ -91,7 +144,7 @@ class _Pass:
             current = self.leases[lease.id]
             if self.input[lease.id].state != LeaseState.PENDING or current.reason != self.input[lease.id].reason:
                 self.set(current, "queue", current.reason, position)
-        changed = tuple(lid for lid, le in self.leases.items() if le != self.input[lid])
+        changed = tuple(lid for lid, le in self.leases.items() if le is not self.input[lid] and le != self.input[lid])
         return Plan(
             decisions=tuple(self.decisions),
             leases=tuple(self.leases.values()),
@@ -116,8 +169,6 @@ class _Pass:
         for lease in self.live():
             if not lease.holding:
                 continue
-            limit = limits.of(lease)
-            idle_for = lease.idle_seconds(self.now)
             if lease.busy and lease.state != LeaseState.ACTIVE:
                 if lease.state == LeaseState.RECLAIMING and not (lease.reclaim_step or Step.RELEASE).disruptive:
                     continue  # a checkpoint in progress finishes; the kernel's cell waits for the restore
@@ -129,7 +180,9 @@ class _Pass:
                     reason,
                 )
             elif lease.state == LeaseState.ACTIVE and not lease.busy:
-                if idle_for >= limit.idle_after:
+                # Only a lease that could turn idle needs its timeouts worked out.
+                limit = limits.of(lease)
+                if lease.idle_seconds(self.now) >= limit.idle_after:
                     reason = self.idle_reason(limit)
                     self.set(replace(lease, state=LeaseState.IDLE, reason=reason), "idle", reason)
                 elif lease.last_active_at is not None:
@@ -163,7 +216,7 @@ class _Pass:
     def usable(self, lease: Lease) -> set[str]:
         """Every device ``lease`` could be placed on when nobody holds it."""
         empty = Occupancy(False, 0, 0)
-        out = {d.uuid for d in schedulable(self.devices) if fits(d, empty, lease)}
+        out = {d.uuid for d in self.pool if fits(d, empty, lease)}
         if lease.home and not self.caps.remap:
             out &= set(lease.home)
         elif lease.home:
@@ -192,7 +245,7 @@ class _Pass:
         # its home GPU, not the whole host.
         reserved: set[str] = set()
         # What the holding leases occupy, kept current as claims are granted below.
-        occ = occupancy(self.devices, self.live())
+        occ = self.occupancy(self.live())
 
         def serve(lease: Lease) -> bool:
             lease = self.leases[lease.id]
@@ -286,7 +339,7 @@ class _Pass:
         # that fits already (held back only by a reservation) needs no victim at all.
         holding = {le.id: le for le in self.live() if le.holding}
         # Occupancy of the planned host, kept current as victims are chosen and claims placed.
-        planned = occupancy(self.devices, holding.values())
+        planned = self.occupancy(holding.values())
 
         def fit(claim: Lease, gone: Iterable[str]):
             trial = dict(planned)
