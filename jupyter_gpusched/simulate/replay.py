@@ -47,6 +47,7 @@ from ..core.model import (
     Step,
 )
 from ..core.scheduler import plan
+from .progress import Progress, wanted
 from .trace import Session, Trace
 
 #: Policies the simulator replays: the core's three and two baselines.
@@ -171,12 +172,16 @@ def simulate(
     abort_after_late: int | None = None,
     late_after_s: float = 5.0,
     abort_on_disruption: bool = False,
+    progress: bool | None = None,
+    label: str = "",
 ) -> Result | None:
     """Replay ``trace`` under ``policy`` on a host of ``gpus`` GPUs.
 
     ``abort_after_late``: stop and return ``None`` as soon as that many cells waited more than
     ``late_after_s``; ``abort_on_disruption``: likewise at the first disruption (both for searches
-    that only need to know whether a host size is good enough).
+    that only need to know whether a host size is good enough). ``progress``: draw a progress bar
+    on stderr for a replay that takes more than a few seconds (``None``: when stderr is a
+    terminal), headed ``label`` (default: the policy and the host size).
     """
     if policy not in POLICIES:
         raise SimulationError(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
@@ -184,10 +189,14 @@ def simulate(
     replay.abort_after_late = abort_after_late
     replay.late_after_s = late_after_s
     replay.abort_on_disruption = abort_on_disruption
+    bar = Progress(label or f"{policy} on {gpus} GPUs", enabled=wanted() if progress is None else progress)
+    replay.progress = bar if bar.enabled else None
     try:
         return replay.run()
     except _Abort:
         return None
+    finally:
+        bar.close()
 
 
 class _Kernel:
@@ -279,6 +288,7 @@ class _Replay:
         self.abort_after_late: int | None = None
         self.late_after_s = 5.0
         self.abort_on_disruption = False
+        self.progress: Progress | None = None
 
     # -- the event loop ----------------------------------------------------------------------
     def push(self, at: float, kind: int, kernel: _Kernel | None, data: object = None) -> None:
@@ -300,8 +310,14 @@ class _Replay:
             _START: self.on_start,
             _READY: self.on_ready,
         }
+        first = min((k.session.start for k in self.kernels.values()), default=0.0)
+        last = max((k.session.stop for k in self.kernels.values()), default=0.0)
+        instants = 0
         while self.events:
             now = self.events[0][0]
+            instants += 1
+            if self.progress is not None and instants % 256 == 0:
+                self.progress.update(now - first, last - first)
             changed = False
             while self.events and self.events[0][0] == now:
                 _, kind, _, kernel, data = heapq.heappop(self.events)
