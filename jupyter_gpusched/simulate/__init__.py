@@ -5,6 +5,7 @@ size, :func:`find_capacity` searches the smallest host that serves a trace well.
 """
 
 from .capacity import find_capacity, meets_target
+from .parallel import find_capacities, simulate_policies, verdicts
 from .replay import METRICS, POLICIES, ReplayOptions, Result, SimulationError, percentile, simulate
 from .trace import Cell, Session, Trace, TraceError, load_trace, parse_csv, parse_notebookos
 
@@ -18,6 +19,7 @@ __all__ = [
     "SimulationError",
     "Trace",
     "TraceError",
+    "find_capacities",
     "find_capacity",
     "load_trace",
     "meets_target",
@@ -25,4 +27,6 @@ __all__ = [
     "parse_notebookos",
     "percentile",
     "simulate",
+    "simulate_policies",
+    "verdicts",
 ]

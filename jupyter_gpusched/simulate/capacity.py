@@ -32,7 +32,9 @@ def counted_cells(trace: Trace) -> int:
     return sum(len(s.cells) for s in trace.gpu_sessions)
 
 
-def meets_target(trace: Trace, policy: str, gpus: int, options: ReplayOptions | None = None) -> bool:
+def meets_target(
+    trace: Trace, policy: str, gpus: int, options: ReplayOptions | None = None, progress: bool | None = None
+) -> bool:
     """Whether ``gpus`` GPUs serve ``trace`` under ``policy`` with p95 delay <= 5 s and no disruption.
 
     The replay stops as soon as the answer is known to be no.
@@ -45,6 +47,8 @@ def meets_target(trace: Trace, policy: str, gpus: int, options: ReplayOptions | 
         abort_after_late=_late_cells_that_fail(counted_cells(trace)),
         late_after_s=MAX_DELAY_S,
         abort_on_disruption=True,
+        progress=progress,
+        label=f"capacity of {policy}: trying {gpus} GPUs",
     )
     return result is not None and good_enough(result)
 
@@ -55,6 +59,7 @@ def find_capacity(
     options: ReplayOptions | None = None,
     *,
     known: dict[int, bool] | None = None,
+    progress: bool | None = None,
 ) -> int | None:
     """The fewest GPUs at which ``policy`` meets the target, or ``None`` if even as many as static
     allocation needs do not.
@@ -67,7 +72,7 @@ def find_capacity(
 
     def ok(gpus: int) -> bool:
         if gpus not in verdicts:
-            verdicts[gpus] = meets_target(trace, policy, gpus, options)
+            verdicts[gpus] = meets_target(trace, policy, gpus, options, progress)
         return verdicts[gpus]
 
     high = max(trace.static_peak(), trace.largest_claim())

@@ -23,6 +23,7 @@ import csv
 import json
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Iterable
 
@@ -69,7 +70,7 @@ class Trace:
     sessions: tuple[Session, ...]
     source: str = ""
 
-    @property
+    @cached_property
     def gpu_sessions(self) -> tuple[Session, ...]:
         """Sessions that need a GPU at all (``gpus > 0``); only they are scheduled."""
         return tuple(s for s in self.sessions if s.gpus > 0)
@@ -81,6 +82,11 @@ class Trace:
     def static_peak(self) -> int:
         """GPUs static allocation needs: the most held at once if each session holds its lease
         from start to stop (the smallest host on which nobody ever waits under ``static``)."""
+        return self._static_peak
+
+    # A trace never changes, and a capacity search asks these of it once per replay.
+    @cached_property
+    def _static_peak(self) -> int:
         return _peak((s.start, s.stop, s.gpus) for s in self.gpu_sessions)
 
     def busy_peak(self, session_level: bool = False) -> int:

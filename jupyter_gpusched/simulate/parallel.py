@@ -1,0 +1,138 @@
+"""Several policies replayed at once, one process each where the machine has the cores.
+
+Replays of one trace under different policies share nothing, so :func:`simulate_policies` and
+:func:`find_capacities` run them in a :class:`~concurrent.futures.ProcessPoolExecutor` of up to
+``os.cpu_count()`` workers. The trace goes to each worker once, not with every task. Results are
+the same as one after another (each replay is deterministic); with one core, or one policy, no
+process is started.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from typing import Callable, Iterable, Mapping, TypeVar
+
+from .capacity import find_capacity
+from .progress import Progress, wanted
+from .replay import ReplayOptions, Result, simulate
+from .trace import Trace
+
+T = TypeVar("T")
+
+#: How often the parent redraws its progress line while workers run.
+_POLL_S = 0.5
+
+_trace: Trace | None = None
+
+
+def _adopt(trace: Trace) -> None:
+    global _trace
+    _trace = trace
+
+
+def _replay(policy: str, gpus: int, options: ReplayOptions | None) -> Result | None:
+    assert _trace is not None
+    return simulate(_trace, policy, gpus, options, progress=False)
+
+
+def _capacity(policy: str, options: ReplayOptions | None, known: dict[int, bool]) -> int | None:
+    assert _trace is not None
+    return find_capacity(_trace, policy, options, known=known, progress=False)
+
+
+def workers(tasks: int, processes: int | None = None) -> int:
+    """Processes to use for ``tasks`` independent replays: one per core at most."""
+    cores = processes if processes is not None else (os.cpu_count() or 1)
+    return max(1, min(tasks, cores))
+
+
+def _run(
+    trace: Trace,
+    tasks: Mapping[str, tuple],
+    job: Callable[..., T],
+    serial: Callable[[str], T],
+    processes: int | None,
+    label: str,
+    progress: bool | None,
+) -> dict[str, T]:
+    count = workers(len(tasks), processes)
+    if count <= 1:
+        return {name: serial(name) for name in tasks}
+    bar = Progress(label, enabled=wanted() if progress is None else progress)
+    out: dict[str, T] = {}
+    try:
+        with ProcessPoolExecutor(max_workers=count, initializer=_adopt, initargs=(trace,)) as pool:
+            futures = {pool.submit(job, *args): name for name, args in tasks.items()}
+            pending = set(futures)
+            while pending:
+                done, pending = wait(pending, timeout=_POLL_S, return_when=FIRST_COMPLETED)
+                for future in done:
+                    out[futures[future]] = future.result()
+                running = ", ".join(sorted(futures[f] for f in pending))
+                bar.update(len(out), len(tasks), f"{len(out)}/{len(tasks)} done; running: {running}" if running else "")
+    finally:
+        bar.close()
+    return {name: out[name] for name in tasks}
+
+
+def simulate_policies(
+    trace: Trace,
+    policies: Iterable[str],
+    gpus: int,
+    options: ReplayOptions | None = None,
+    *,
+    processes: int | None = None,
+    progress: bool | None = None,
+) -> dict[str, Result]:
+    """``{policy: simulate(trace, policy, gpus, options)}``, the policies in parallel processes."""
+    policies = tuple(policies)
+    results = _run(
+        trace,
+        {policy: (policy, gpus, options) for policy in policies},
+        _replay,
+        lambda policy: simulate(trace, policy, gpus, options, progress=progress),
+        processes,
+        f"replaying {len(policies)} policies on {gpus} GPUs",
+        progress,
+    )
+    return results  # type: ignore[return-value]
+
+
+def find_capacities(
+    trace: Trace,
+    policies: Iterable[str],
+    options: ReplayOptions | None = None,
+    *,
+    known: Mapping[str, Mapping[int, bool]] | None = None,
+    processes: int | None = None,
+    progress: bool | None = None,
+) -> dict[str, int | None]:
+    """``{policy: find_capacity(trace, policy, options)}``, the policies in parallel processes.
+
+    ``known`` gives, per policy, verdicts already at hand (host size -> good enough), such as
+    those of replays just run (see :func:`verdicts`), so that the search never replays them.
+    """
+    policies = tuple(policies)
+    known = known or {}
+    # Derived figures of the trace are worked out once here and travel with it to the workers.
+    trace.static_peak(), trace.gpu_sessions  # noqa: B018
+    return _run(
+        trace,
+        {policy: (policy, options, dict(known.get(policy, {}))) for policy in policies},
+        _capacity,
+        lambda policy: find_capacity(trace, policy, options, known=dict(known.get(policy, {})), progress=progress),
+        processes,
+        f"finding the capacity of {len(policies)} policies",
+        progress,
+    )
+
+
+def verdicts(results: Mapping[str, Result]) -> dict[str, dict[int, bool]]:
+    """What finished replays already say about their host sizes, per policy, for ``known``."""
+    from .capacity import good_enough
+
+    return {policy: {result.gpus: good_enough(result)} for policy, result in results.items()}
+
+
+__all__ = ["find_capacities", "simulate_policies", "verdicts", "workers"]
