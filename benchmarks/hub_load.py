@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # hub_util: the real JupyterHub the hub
 from jupyter_gpusched.arbiter import ArbiterError  # noqa: E402
 from jupyter_gpusched.arbiter.remote import BrokerClient  # noqa: E402
 from jupyter_gpusched.ledger import Ledger  # noqa: E402
+from jupyter_gpusched.api.input import Claim  # noqa: E402
 from jupyter_gpusched.api.views import Principal  # noqa: E402
 
 from hub_util import Hub  # noqa: E402
@@ -130,7 +131,7 @@ async def user_loop(client: BrokerClient, kernels: FakeKernels, user: str, until
     while time.monotonic() < until:
         try:
             t0 = time.monotonic()
-            result = await client.claim(who, kernels.kernel_id, count=1, wait=0)
+            result = await client.claim(who, Claim(kernels.kernel_id, count=1))
             rec.claim.append(time.monotonic() - t0)
             lease = result.lease
             if result.status == 202:
@@ -139,7 +140,7 @@ async def user_loop(client: BrokerClient, kernels: FakeKernels, user: str, until
                     left = until + 30 - time.monotonic()
                     if left <= 0:
                         break
-                    result = await client.claim(who, kernels.kernel_id, wait=min(10.0, left))
+                    result = await client.claim(who, Claim(kernels.kernel_id, wait=min(10.0, left)))
                     lease = result.lease
             if lease["state"] not in ("active", "idle"):
                 if lease["state"] == "pending":

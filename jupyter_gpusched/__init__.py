@@ -7,26 +7,18 @@ from ._version import __version__
 __all__ = ["__version__", "gpu", "load_ipython_extension", "unload_ipython_extension"]
 
 
-def load_ipython_extension(ipython: Any) -> None:
-    """``%load_ext jupyter_gpusched``: the kernel agent (``%gpu`` magics, pre-run hook)."""
-    from .kernel import load_ipython_extension as load
-
-    load(ipython)
-
-
-def unload_ipython_extension(ipython: Any) -> None:
-    from .kernel import unload_ipython_extension as unload
-
-    unload(ipython)
+# ``%load_ext jupyter_gpusched``: the kernel agent (``%gpu`` magics, pre-run hook). The kernel
+# package imports nothing until it is loaded.
+from .kernel import load_ipython_extension, unload_ipython_extension  # noqa: E402
 
 
 def __getattr__(name: str) -> Any:
-    # ``from jupyter_gpusched import gpu`` without importing any server code.
-    if name == "gpu":
-        from .kernel.api import gpu
+    """``from jupyter_gpusched import gpu`` without importing any server code."""
+    if name != "gpu":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from .kernel.api import gpu
 
-        return gpu
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return gpu
 
 
 def _jupyter_server_extension_points() -> list[dict]:

@@ -214,7 +214,8 @@ def _fail(verb: str, message: str, status: int = 2) -> int:
 #: What ``jupyter gpusched broker`` says where JupyterHub is not installed.
 NO_HUB = (
     "the broker runs as a JupyterHub service and needs JupyterHub, which is not installed in this "
-    "environment: pip install jupyterhub (see the README's JupyterHub section for the setup)"
+    "environment: pip install \"jupyter-gpusched[hub]\" (which is pip install jupyterhub and this "
+    "package; see the README's JupyterHub section for the setup)"
 )
 
 

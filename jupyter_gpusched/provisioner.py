@@ -110,6 +110,7 @@ class GPUSchedProvisioner(LocalProvisioner):  # type: ignore[misc]
     async def _devices_for_launch(self, reg) -> tuple[str, ...]:
         """GPUs to start the kernel with: its kept lease after a restart, or a fresh grant."""
         from .arbiter import ArbiterError
+        from .api.input import Claim
         from .api.views import Principal
 
         lease = await reg.arbiter.lease_for_kernel(self.kernel_id)
@@ -123,14 +124,8 @@ class GPUSchedProvisioner(LocalProvisioner):  # type: ignore[misc]
             return ()
         who = Principal(user=reg.user, kernel_id=self.kernel_id)
         try:
-            result = await reg.arbiter.claim(
-                who,
-                self.kernel_id,
-                self.gpus,
-                parse_memory(self.memory or None),
-                self.mode,
-                wait=LAUNCH_WAIT,
-            )
+            ask = Claim(self.kernel_id, self.gpus, parse_memory(self.memory or None), self.mode, wait=LAUNCH_WAIT)
+            result = await reg.arbiter.claim(who, ask)
         except ArbiterError as exc:
             self.log.warning("kernel %s: no GPU at launch: %s", self.kernel_id, exc.message)
             return ()

@@ -26,6 +26,7 @@ from jupyter_gpusched.arbiter import Forbidden
 from jupyter_gpusched.hub.broker import GPUBroker
 from jupyter_gpusched.arbiter.remote import BrokerClient
 from jupyter_gpusched.ledger import Ledger
+from jupyter_gpusched.api.input import Claim
 from jupyter_gpusched.api.views import Principal
 
 from hub_util import free_port
@@ -229,9 +230,9 @@ def test_a_reclaim_is_an_order_carried_out_by_the_kernels_server(setup):
             ka, kb = alice_kernels.ids[0], bob_kernels.ids[0]
             # alice's kernel holds memory on the GPU: no gentle step, the fallback restarts it.
             app.arbiter.backend.add_process(app.arbiter.state.snapshot[0].uuid, alice_kernels.kernel_pid(ka), "1GiB")
-            granted = await alice.claim(Principal("alice"), ka)
+            granted = await alice.claim(Principal("alice"), Claim(ka))
             assert granted.status == 201
-            waiting = await bob.claim(Principal("bob"), kb)
+            waiting = await bob.claim(Principal("bob"), Claim(kb))
             assert waiting.status == 202 and waiting.lease["position"] == 1
             await until(lambda: ("restart", ka) in alice_kernels.orders, 20, "the broker's restart order")
             assert bob_kernels.orders == []
@@ -261,7 +262,7 @@ def test_events_go_only_to_servers_that_listen(setup):
             heard: list = []
             alice, fake = await setup.server("alice", listen=heard)
             quiet, quiet_fake = await setup.server("bob")
-            await alice.claim(Principal("alice"), fake.ids[0])
+            await alice.claim(Principal("alice"), Claim(fake.ids[0]))
             await until(lambda: heard, 5, "events for a listening server")
             sockets = {s.who.user: s for s in app.broker.sockets}
             assert sockets["alice"].listening and not sockets["bob"].listening
@@ -277,7 +278,7 @@ def test_a_server_that_goes_away_releases_once_its_kernels_are_gone(setup):
         try:
             alice, fake = await setup.server("alice", kernels=2)
             k1, k2 = fake.ids
-            await alice.claim(Principal("alice"), k1)
+            await alice.claim(Principal("alice"), Claim(k1))
             await until(lambda: app.kernels.kernel_pid(k1) is not None, 5, "the heartbeat with the pid")
             await alice.stop()
             await until(lambda: not app.kernels.servers()[0]["connected"], 5, "the server to be gone")
@@ -298,7 +299,7 @@ def test_the_broker_restarts_with_its_ledger_and_servers_reconnect(setup):
         app = await setup.start_broker()
         try:
             alice, fake = await setup.server("alice")
-            result = await alice.claim(Principal("alice"), fake.ids[0])
+            result = await alice.claim(Principal("alice"), Claim(fake.ids[0]))
             lease_id = result.lease["id"]
             await until(lambda: app.kernels.kernel_pid(fake.ids[0]) is not None, 5, "the pid")
             await asyncio.sleep(0.3)  # one more pass: the kernel's process now owns the lease
@@ -306,7 +307,7 @@ def test_the_broker_restarts_with_its_ledger_and_servers_reconnect(setup):
             app = await setup.start_broker()
             assert lease_by_kernel(app, fake.ids[0]).id == lease_id, "the ledger kept the lease"
             await until(lambda: alice.connected and app.kernels.known(fake.ids[0]), 20, "alice's server back")
-            again = await alice.claim(Principal("alice"), fake.ids[0])
+            again = await alice.claim(Principal("alice"), Claim(fake.ids[0]))
             assert again.status == 200 and again.lease["id"] == lease_id
         finally:
             await setup.close()
@@ -336,7 +337,7 @@ def test_the_api_refuses_whoever_the_hub_does_not_vouch_for(setup):
             assert code == 200 and body["is_admin"] is True and body["servers"] == []
             client, fake = await setup.server("alice")
             with pytest.raises(Forbidden):
-                await client.claim(Principal("alice", kernel_id="other"), fake.ids[0])
+                await client.claim(Principal("alice", kernel_id="other"), Claim(fake.ids[0]))
         finally:
             http.close()
             await setup.close()

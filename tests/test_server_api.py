@@ -145,6 +145,7 @@ async def test_keep_bounds_and_conflicts(jp_fetch, arbiter):
     code, err = await api(jp_fetch, "leases", method="POST", body={"kernel_id": kernel_id, "count": 2})
     assert code == 409 and "release it" in err["message"]
     assert err["message"].startswith("this kernel already holds GPU "), err
+    assert "(`%gpu release`)" in err["message"] and "%%" not in err["message"], err
 
 
 async def test_kernel_token_acts_on_its_own_lease_only(jp_fetch, arbiter):

@@ -24,7 +24,7 @@ from tornado import web
 
 from . import input as api_input
 from . import routes
-from .input import bad_input
+from .input import bad_input, http_error
 from .openapi import openapi_document
 from .views import Principal
 
@@ -57,7 +57,7 @@ def arbiter_errors() -> Iterator[None]:
     try:
         yield
     except ArbiterError as exc:
-        raise web.HTTPError(exc.status, exc.message.replace("%", "%%"), reason=exc.reason) from None
+        raise http_error(exc.status, exc.message, exc.reason) from None
 
 
 class StatusAPI(APIMixin):
@@ -86,10 +86,10 @@ class LeasesAPI(APIMixin):
     async def post(self) -> None:
         """A claim: parsed here, decided by the arbiter (``arbiter/local.py`` ``claim``)."""
         with bad_input():
-            req = api_input.claim(self.body())
+            ask = api_input.claim(self.body())
         who = await self.principal("write")
         with arbiter_errors():
-            result = await self.scheduler.claim(who, req.kernel_id, req.count, req.memory, req.mode, req.priority, req.wait)
+            result = await self.scheduler.claim(who, ask)
         if result.status == 201:
             self.set_header("Location", self.lease_url(result.lease["id"]))  # type: ignore[attr-defined]
         self.reply(result.lease, result.status)

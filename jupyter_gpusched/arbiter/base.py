@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Protocol
 
+from ..api.input import Claim
 from ..api.views import Principal, ViewContext
 from ..core import Lease
 from ..devices.base import DeviceSnapshot
@@ -36,32 +37,20 @@ class ArbiterError(Exception):
             self.status = status
 
 
-class BadRequest(ArbiterError):
-    status, reason = 400, "Bad Request"
+def _error(name: str, status: int, reason: str, doc: str) -> type[ArbiterError]:
+    return type(name, (ArbiterError,), {"status": status, "reason": reason, "__doc__": doc, "__module__": __name__})
 
 
-class Forbidden(ArbiterError):
-    status, reason = 403, "Forbidden"
-
-
-class NotFound(ArbiterError):
-    status, reason = 404, "Not Found"
-
-
-class Conflict(ArbiterError):
-    status, reason = 409, "Conflict"
-
-
-class NoInventory(ArbiterError):
-    """No GPU can be scheduled here: no inventory, or every GPU drained or lost."""
-
-    status, reason = 503, "Service Unavailable"
-
-
-class LedgerUnavailable(ArbiterError):
-    """The lease ledger could not be written (locked for too long, or unreadable)."""
-
-    status, reason = 503, "Service Unavailable"
+BadRequest = _error("BadRequest", 400, "Bad Request", "The request cannot be served as asked.")
+Forbidden = _error("Forbidden", 403, "Forbidden", "The caller may not do this.")
+NotFound = _error("NotFound", 404, "Not Found", "No such lease, kernel or GPU (for this caller).")
+Conflict = _error("Conflict", 409, "Conflict", "The request conflicts with the lease's state.")
+NoInventory = _error(
+    "NoInventory", 503, "Service Unavailable", "No GPU can be scheduled here: no inventory, or every GPU drained or lost."
+)
+LedgerUnavailable = _error(
+    "LedgerUnavailable", 503, "Service Unavailable", "The lease ledger could not be written (locked too long, unreadable)."
+)
 
 
 @dataclass(frozen=True)
@@ -170,16 +159,8 @@ class Arbiter(abc.ABC):
 
     # -- writes ---------------------------------------------------------------------------------
     @abc.abstractmethod
-    async def claim(
-        self,
-        who: Principal,
-        kernel_id: str,
-        count: int | None = None,
-        memory: int | None = None,
-        mode: str | None = None,
-        priority: int = 0,
-        wait: float = 0.0,
-    ) -> ClaimResult: ...
+    async def claim(self, who: Principal, ask: Claim) -> ClaimResult:
+        """Ask for GPUs for ``ask.kernel_id``; waits up to ``ask.wait`` seconds for the grant."""
 
     @abc.abstractmethod
     async def release(self, who: Principal, lease_id: str) -> None: ...

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 from .. import core
+from ..api.input import Claim
 from ..api.views import Principal
 from ..core import Lease, LeaseState
 from ..ledger import OwnerId
@@ -27,11 +28,7 @@ class ClaimRequest:
     """What a caller asked for (``None``: what the kernel's lease has, or the default)."""
 
     who: Principal
-    kernel_id: str
-    count: int | None = None
-    memory: int | None = None
-    mode: str | None = None
-    priority: int = 0
+    ask: Claim
     #: The kernel's process, which will own the lease (None: the server owns it).
     owner_pid: int | None = None
     #: Idle spells of the kernel's earlier lease, so that learning survives a release.
@@ -48,19 +45,19 @@ def write_claim(
     devices: Iterable[core.Device],
 ) -> tuple[str, str]:
     """``(how, lease_id)``: ``existing``, ``pending`` or ``resume`` for the kernel's lease, or ``new``."""
-    mine = [le for le in leases if le.kernel_id == request.kernel_id and le.live]
+    ask, who = request.ask, request.who
+    mine = [le for le in leases if le.kernel_id == ask.kernel_id and le.live]
     if mine:
-        return _existing(request, mine[0], device_index, tx)
-    who = request.who
+        return _existing(who, ask, mine[0], device_index, tx)
     claim = core.new_claim(
         uuidlib.uuid4().hex,
-        request.kernel_id,
+        ask.kernel_id,
         who.user,
         tx.now,
-        count=1 if request.count is None else request.count,
-        memory=request.memory,
-        mode=request.mode or core.EXCLUSIVE,
-        priority=request.priority,
+        count=1 if ask.count is None else ask.count,
+        memory=ask.memory,
+        mode=ask.mode or core.EXCLUSIVE,
+        priority=ask.priority,
         groups=who.groups,
         gaps=request.gaps,
     )
@@ -72,20 +69,19 @@ def write_claim(
             process = OwnerId.of_pid(request.owner_pid)
         except Exception:  # noqa: BLE001 - fall back to this server owning it
             process = None
-    tx.set_owner(claim.id, request.kernel_id, server_id, process)
+    tx.set_owner(claim.id, ask.kernel_id, server_id, process)
     log.info(
         "lease %s: kernel %s (%s) asks for %s GPU(s)%s, %s",
-        claim.id, request.kernel_id, who.user, claim.count,
-        f" with {core.format_bytes(request.memory)} each" if request.memory else "", claim.mode,
+        claim.id, ask.kernel_id, who.user, claim.count,
+        f" with {core.format_bytes(ask.memory)} each" if ask.memory else "", claim.mode,
     )
     return ("new", claim.id)
 
 
-def _existing(request: ClaimRequest, lease: Lease, device_index: Mapping[str, int], tx) -> tuple[str, str]:
-    who = request.who
+def _existing(who: Principal, ask: Claim, lease: Lease, device_index: Mapping[str, int], tx) -> tuple[str, str]:
     if lease.user != who.user and not who.admin:
-        raise Forbidden(f"kernel {request.kernel_id} belongs to another user")
-    asked = (request.count, request.memory, request.mode)
+        raise Forbidden(f"kernel {ask.kernel_id} belongs to another user")
+    asked = (ask.count, ask.memory, ask.mode)
     have = (lease.count, lease.memory, lease.mode)
     if any(a is not None and a != h for a, h in zip(asked, have)):
         held = sorted(device_index[u] for u in lease.devices if u in device_index)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping
 
 from .. import core
+from ..api.input import Claim
 from ..api.views import Principal, ViewContext, device_json, iso, lease_json, queue_json
 from ..core import Capabilities, KernelActivity, Lease, LeaseState, SchedConfig
 from ..devices.base import DeviceBackend, DeviceSnapshot, InventoryUnavailable
@@ -27,21 +28,8 @@ from ..ledger import Ledger, LedgerError, OwnerId, is_alive
 from ..reclaim.checkpoint import Checkpointer, Unavailable
 from ..reclaim import executor as reclaim_executor
 from . import enforce
-from .base import (
-    MAX_WAIT,
-    Arbiter,
-    ArbiterEvent,
-    BadRequest,
-    ClaimResult,
-    Conflict,
-    Forbidden,
-    KernelHost,
-    LedgerUnavailable,
-    NoInventory,
-    NotFound,
-    gpus_label,
-    notice,
-)
+from .base import MAX_WAIT, Arbiter, ArbiterEvent, ClaimResult, KernelHost, gpus_label, notice
+from .base import BadRequest, Conflict, Forbidden, LedgerUnavailable, NoInventory, NotFound
 from .claims import ClaimRequest, write_claim
 from .observe import Observation, device_changed, observe
 from .policy import AccessPolicy
@@ -554,30 +542,23 @@ class LocalArbiter(Arbiter):
         return None
 
     # -- writes ----------------------------------------------------------------------------
-    async def claim(
-        self,
-        who: Principal,
-        kernel_id: str,
-        count: int | None = None,
-        memory: int | None = None,
-        mode: str | None = None,
-        priority: int = 0,
-        wait: float = 0.0,
-    ) -> ClaimResult:
-        undo = self.policy.admit_claim(who, kernel_id, priority)
+    async def claim(self, who: Principal, ask: Claim) -> ClaimResult:
+        undo = self.policy.admit_claim(who, ask.kernel_id, ask.priority)
         try:
-            return await self._claim(who, kernel_id, count, memory, mode, priority, wait)
+            return await self._claim(who, ask)
         except Exception:
             if undo is not None:
                 undo()
             raise
 
-    async def _claim(self, who, kernel_id, count, memory, mode, priority, wait) -> ClaimResult:
+    async def _claim(self, who: Principal, ask: Claim) -> ClaimResult:
         self._need_inventory()
+        kernel_id = ask.kernel_id
         if self.kernels is not None and not self.kernels.alive(kernel_id):
             raise NotFound(f"no running kernel {kernel_id!r} on this server")
         request = ClaimRequest(
-            who, kernel_id, count, memory, mode, priority,
+            who,
+            ask,
             owner_pid=self.kernels.kernel_pid(kernel_id) if self.kernels is not None else None,
             gaps=self._kernel_gaps.get(kernel_id, ()),
         )
@@ -596,7 +577,7 @@ class LocalArbiter(Arbiter):
                 raise LedgerUnavailable(str(exc)) from exc
             await self._apply(planned)
         how, lease_id = planned.outcome
-        return await self._answer(who, lease_id, how, wait)
+        return await self._answer(who, lease_id, how, ask.wait)
 
     def _remember(self, lease: Lease | None) -> None:
         """Idle spells of the kernel's released lease, so that learning survives a release."""

@@ -24,20 +24,12 @@ from tornado import httputil, websocket
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 
 from ..api.routes import KERNEL_HEADER, PID_HEADER, SERVER_HEADER
+from ..api.input import Claim
 from ..api.views import Principal, ViewContext, device_json, lease_json
 from ..core import Lease, LeaseState
 from ..devices.base import DeviceSnapshot
-from .base import (
-    Arbiter,
-    ArbiterError,
-    ArbiterEvent,
-    BadRequest,
-    ClaimResult,
-    Conflict,
-    Forbidden,
-    NoInventory,
-    NotFound,
-)
+from .base import Arbiter, ArbiterError, ArbiterEvent, ClaimResult
+from .base import BadRequest, Conflict, Forbidden, NoInventory, NotFound
 
 #: How long ``start`` waits for the first connection before the server goes on without it.
 CONNECT_WAIT = 5.0
@@ -405,27 +397,17 @@ class BrokerClient(Arbiter):
     async def lease(self, who: Principal, lease_id: str) -> dict:
         return (await self.call("GET", f"leases/{urllib.parse.quote(lease_id, safe='')}", who))[1]
 
-    async def claim(
-        self,
-        who: Principal,
-        kernel_id: str,
-        count: int | None = None,
-        memory: int | None = None,
-        mode: str | None = None,
-        priority: int = 0,
-        wait: float = 0.0,
-    ) -> ClaimResult:
-        if who.kernel_id is not None and who.kernel_id != kernel_id:
+    async def claim(self, who: Principal, ask: Claim) -> ClaimResult:
+        if who.kernel_id is not None and who.kernel_id != ask.kernel_id:
             raise Forbidden("a kernel's token can only ask for that kernel's own lease")
-        if not self.kernels.alive(kernel_id):
-            raise NotFound(f"no running kernel {kernel_id!r} on this server")
-        body: dict[str, Any] = {"kernel_id": kernel_id, "priority": priority, "wait": wait}
-        for name, value in (("count", count), ("memory", memory), ("mode", mode)):
+        if not self.kernels.alive(ask.kernel_id):
+            raise NotFound(f"no running kernel {ask.kernel_id!r} on this server")
+        body: dict[str, Any] = {"kernel_id": ask.kernel_id, "priority": ask.priority, "wait": ask.wait}
+        for name, value in (("count", ask.count), ("memory", ask.memory), ("mode", ask.mode)):
             if value is not None:
                 body[name] = value
-        status, lease = await self.call(
-            "POST", "leases", who, body=body, timeout=min(max(wait, 0.0), 60.0) + REQUEST_TIMEOUT
-        )
+        timeout = min(max(ask.wait, 0.0), 60.0) + REQUEST_TIMEOUT
+        status, lease = await self.call("POST", "leases", who, body=body, timeout=timeout)
         self.beat_now()
         return ClaimResult(status, lease)
 

@@ -6,9 +6,11 @@ Everything here is a frozen dataclass. The core never mutates a record: it retur
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Mapping
+
+# The names of states and steps are shared with the kernel side, which loads no core code.
+from ..names import LeaseState, Name, Step
 
 GiB = 1024**3
 
@@ -19,52 +21,16 @@ MODES = (EXCLUSIVE, SHARED)
 POLICIES = ("static", "dynamic", "hybrid")
 FALLBACKS = ("restart", "shutdown", "none")
 
-
-class LeaseState(str, enum.Enum):
-    """Where a lease stands in its lifecycle (DESIGN section 4)."""
-
-    PENDING = "pending"
-    ACTIVE = "active"
-    IDLE = "idle"
-    RECLAIMING = "reclaiming"
-    SUSPENDED = "suspended"
-    RELEASED = "released"
-
-    def __str__(self) -> str:  # pragma: no cover - trivial
-        return self.value
-
-
 #: States in which a lease holds devices.
 HOLDING = frozenset({LeaseState.ACTIVE, LeaseState.IDLE, LeaseState.RECLAIMING})
 #: States in which a lease is still alive (not released).
 LIVE = frozenset(HOLDING | {LeaseState.PENDING, LeaseState.SUSPENDED})
 
 
-class Health(str, enum.Enum):
+class Health(Name):
     OK = "ok"
     LOST = "lost"
     DRAINED = "drained"
-
-    def __str__(self) -> str:  # pragma: no cover - trivial
-        return self.value
-
-
-class Step(str, enum.Enum):
-    """Steps of the reclaim ladder, cheapest first (DESIGN section 6)."""
-
-    RELEASE = "release"
-    CHECKPOINT = "checkpoint"
-    FREE_CACHE = "free-cache"
-    RESTART = "restart"
-    SHUTDOWN = "shutdown"
-
-    def __str__(self) -> str:  # pragma: no cover - trivial
-        return self.value
-
-    @property
-    def disruptive(self) -> bool:
-        """Whether the step loses the kernel's state."""
-        return self in (Step.RESTART, Step.SHUTDOWN)
 
 
 class SchedulingError(ValueError):

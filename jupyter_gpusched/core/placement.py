@@ -46,29 +46,25 @@ def occupancy(devices: Sequence[Device], leases: Iterable[Lease]) -> dict[str, O
 
 def occupy(occ: dict[str, Occupancy], lease: Lease, devices: Mapping[str, Device]) -> None:
     """Add a lease just placed to an occupancy map, in place."""
-    for uuid in lease.devices:
-        old = occ.get(uuid)
-        device = devices.get(uuid)
-        if old is None or device is None:
-            continue
-        occ[uuid] = Occupancy(
-            old.exclusive or lease.mode == EXCLUSIVE,
-            old.promised + lease.promised_memory(device),
-            old.holders + 1,
-        )
+    _shift(occ, lease, devices, +1)
 
 
 def vacate(occ: dict[str, Occupancy], lease: Lease, devices: Mapping[str, Device]) -> None:
     """Take a lease that is going away out of an occupancy map, in place."""
+    _shift(occ, lease, devices, -1)
+
+
+def _shift(occ: dict[str, Occupancy], lease: Lease, devices: Mapping[str, Device], sign: int) -> None:
+    exclusive = lease.mode == EXCLUSIVE
     for uuid in lease.devices:
         old = occ.get(uuid)
         device = devices.get(uuid)
         if old is None or device is None:
             continue
         occ[uuid] = Occupancy(
-            old.exclusive and lease.mode != EXCLUSIVE,
-            max(0, old.promised - lease.promised_memory(device)),
-            max(0, old.holders - 1),
+            (old.exclusive or exclusive) if sign > 0 else (old.exclusive and not exclusive),
+            max(0, old.promised + sign * lease.promised_memory(device)),
+            max(0, old.holders + sign),
         )
 
 

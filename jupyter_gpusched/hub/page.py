@@ -21,6 +21,7 @@ from jupyterhub.services.auth import HubOAuthCallbackHandler, HubOAuthenticated,
 from tornado import web
 
 from ..core import format_bytes
+from ..api.input import http_error
 from ..api.views import Principal
 
 REFRESH_SECONDS = 5
@@ -248,7 +249,7 @@ class _Action(PageBase):
         try:
             await fn()
         except ArbiterError as exc:
-            raise web.HTTPError(exc.status, exc.message.replace("%", "%%")) from None
+            raise http_error(exc.status, exc.message) from None
         self.back()
 
     def confirmed(self) -> bool:

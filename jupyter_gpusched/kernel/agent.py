@@ -240,24 +240,15 @@ class Agent:
         _show(self._display, self.shell, self._parent, text, html_text, display_id, update)
 
     # -- what the magics and the Python API call ----------------------------------------------
-    def acquire(
-        self,
-        count: int | None = None,
-        memory: int | str | None = None,
-        mode: str | None = None,
-        wait: float | str | bool | None = None,
-        priority: int | None = None,
-        *,
-        show_wait: bool = True,
-        quiet: bool = False,
-    ) -> dict:
-        """Ask for GPUs and bind them; see :meth:`GPU.acquire` for the arguments.
+    @property
+    def acquire(self) -> Callable[..., dict]:
+        """Ask for GPUs and bind them: :meth:`Claims.acquire <.claims.Claims.acquire>`.
 
         Returns the lease (``state`` ``pending`` with a ``position`` when ``wait`` was 0 and no
         GPU was free). Raises GPUSchedError (server refusals, a wait that ran out) or
         ValueError (bad arguments).
         """
-        return self.claims.acquire(count, memory, mode, wait, priority, show_wait=show_wait, quiet=quiet)
+        return self.claims.acquire
 
     def release(self, *, quiet: bool = False) -> dict | None:
         """Give this kernel's GPUs back now (and withdraw a waiting claim)."""

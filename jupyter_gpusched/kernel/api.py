@@ -74,21 +74,14 @@ class GPU:
         return self.agent.panel(interval=interval)
 
     @contextlib.contextmanager
-    def lease(
-        self,
-        count: int | None = None,
-        memory: int | str | None = None,
-        mode: str | None = None,
-        wait: float | str | bool | None = None,
-        priority: int | None = None,
-    ) -> Iterator[dict]:
-        """``with gpu.lease(1): ...``: acquire on entry, release on exit.
+    def lease(self, *args: Any, **kwargs: Any) -> Iterator[dict]:
+        """``with gpu.lease(1): ...``: acquire on entry (the arguments of :meth:`acquire`), release on exit.
 
         A lease the kernel already held before the block is left as it was.
         """
         before = self.agent.refresh()
         held = bool(before and before.get("state") in ("active", "idle", "reclaiming", "suspended"))
-        lease = self.acquire(count, memory=memory, mode=mode, wait=wait, priority=priority)
+        lease = self.acquire(*args, **kwargs)
         if held and before.get("id") == lease.get("id"):
             yield lease
             return

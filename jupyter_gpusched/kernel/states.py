@@ -1,44 +1,19 @@
 """The states of a lease and the steps of a reclaim, as the server's lease JSON spells them.
 
 One place for the names (DESIGN section 8): the agent, the notices and the renderers compare a
-lease's ``state`` and ``reclaim_step`` with these members. They are ``str`` enums, so a member
-equals the string the server sends (``LeaseState.ACTIVE == "active"``).
+lease's ``state`` and ``reclaim_step`` with these members: the same enums as the core's (``jupyter_gpusched.names``, which imports nothing), ``str`` enums, so a member equals the string the server sends
+(``LeaseState.ACTIVE == "active"``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from enum import Enum
 from typing import Any
 
+from ..names import LeaseState, Step
 
-class _Name(str, Enum):
-    def __str__(self) -> str:
-        return str(self.value)
-
-    def __format__(self, spec: str) -> str:
-        return format(str(self.value), spec)
-
-
-class LeaseState(_Name):
-    """``state`` of a lease."""
-
-    PENDING = "pending"
-    ACTIVE = "active"
-    IDLE = "idle"
-    RECLAIMING = "reclaiming"
-    SUSPENDED = "suspended"
-    RELEASED = "released"
-
-
-class ReclaimStep(_Name):
-    """``reclaim_step`` of a lease that is ``reclaiming``: the rung of the reclaim ladder."""
-
-    FREE_CACHE = "free-cache"
-    RELEASE = "release"
-    CHECKPOINT = "checkpoint"
-    RESTART = "restart"
-    SHUTDOWN = "shutdown"
+#: ``state`` of a lease, and ``reclaim_step`` of one that is ``reclaiming`` (the core's own names).
+ReclaimStep = Step
 
 
 #: The lease holds its GPUs.

@@ -70,6 +70,17 @@ class GPUSchedHandler(APIHandler):
     def lease_url(self, lease_id: str) -> str:
         return self.base_url.rstrip("/") + "/" + routes.lease_path(lease_id)
 
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        """``{"message", "reason"}``, the message as written (jupyter_server's shows it %-escaped)."""
+        exc = kwargs.get("exc_info", (None, None, None))[1]
+        if isinstance(exc, web.HTTPError) and exc.log_message:
+            message = exc.log_message % exc.args
+            self.log.warning("wrote error: %r", message)
+            self.set_header("Content-Type", "application/json")
+            self.finish(json.dumps({"message": message, "reason": exc.reason}))
+            return
+        super().write_error(status_code, **kwargs)
+
 
 class EventsHandler(JupyterHandler, websocket.WebSocketHandler):
     """``GET /api/gpusched/events``: a snapshot, then lease, device and notice events."""
