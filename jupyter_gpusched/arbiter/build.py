@@ -55,5 +55,6 @@ def build_local_arbiter(
         metrics=metrics,
         unleased_processes=unleased_processes,
         policy=policy,
+        history_days=config.history_days,
     )
     return arbiter, state_path

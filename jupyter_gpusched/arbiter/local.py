@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from .. import core
 from ..api.input import Claim
-from ..api.views import Principal, ViewContext, device_json, iso, lease_json, queue_json
+from ..api.views import Principal
 from ..core import Capabilities, KernelActivity, Lease, LeaseState, SchedConfig
 from ..devices.base import DeviceBackend, DeviceSnapshot, InventoryUnavailable
 from ..ledger import Ledger, LedgerError, OwnerId, is_alive
@@ -33,8 +33,13 @@ from .base import BadRequest, Conflict, Forbidden, LedgerUnavailable, NoInventor
 from .claims import ClaimRequest, write_claim
 from .observe import Observation, device_changed, observe
 from .policy import AccessPolicy
+from .reads import LocalReads
 
 log = logging.getLogger("jupyter_gpusched")
+
+#: Seconds between two prunings of the ledger's history, and leases pruned per transaction.
+PRUNE_EVERY = 600.0
+PRUNE_BATCH = 500
 
 
 @dataclass
@@ -64,7 +69,7 @@ class _Planned:
     outcome: Any = None
 
 
-class LocalArbiter(Arbiter):
+class LocalArbiter(LocalReads, Arbiter):
     """Scheduling in this process: the ledger file, the GPUs of this host and its kernels."""
 
     def __init__(
@@ -83,6 +88,7 @@ class LocalArbiter(Arbiter):
         metrics: Any = None,
         unleased_processes: str = "report",
         policy: AccessPolicy | None = None,
+        history_days: float = 0.0,
     ) -> None:
         super().__init__()
         self.cfg = cfg
@@ -115,6 +121,9 @@ class LocalArbiter(Arbiter):
         self._kernel_gaps: dict[str, tuple[float, ...]] = {}
         self._suspects: frozenset[str] = frozenset()
         self._unleased_seen: frozenset[int] = frozenset()
+        #: Released leases older than this many days leave the ledger (0: none ever do).
+        self.history_days = history_days
+        self._pruned_at: float | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
     @property
@@ -160,6 +169,7 @@ class LocalArbiter(Arbiter):
             await self._apply(planned)
             await self.reclaims.expire_cache_requests()
             await self.reclaims.restore_orphans()
+            await self._prune_history()
             if self.unleased_policy == "kill":
                 await self._enforce()
             return planned.plan
@@ -376,6 +386,30 @@ class LocalArbiter(Arbiter):
         )
         return item
 
+    async def _prune_history(self) -> None:
+        """At most every ``PRUNE_EVERY`` seconds, released leases past ``history_days`` go, in batches."""
+        now = self.clock()
+        if self.history_days <= 0 or (self._pruned_at is not None and now - self._pruned_at < PRUNE_EVERY):
+            return
+        self._pruned_at = now
+        older_than = now - self.history_days * 86400.0
+
+        def prune() -> int:
+            total = 0
+            while True:
+                done = self.ledger.prune(older_than, PRUNE_BATCH)
+                total += done
+                if done < PRUNE_BATCH:
+                    return total
+
+        try:
+            total = await asyncio.to_thread(prune)
+        except LedgerError as exc:
+            log.warning("could not prune the ledger's history this time: %s", exc)
+            return
+        if total:
+            log.info("ledger: %d released lease(s) older than %s days pruned with their history", total, self.history_days)
+
     async def _enforce(self) -> None:
         live = {lease.id for lease in self.state.leases}
 
@@ -432,46 +466,7 @@ class LocalArbiter(Arbiter):
             tx.put(new)
             return new
 
-    # -- reads -----------------------------------------------------------------------------
-    def view_context(self) -> ViewContext:
-        notebooks = {}
-        if self.kernels is not None:
-            for lease in self.state.leases:
-                name = self.kernels.notebook(lease.kernel_id)
-                if name:
-                    notebooks[lease.kernel_id] = name
-        positions = {lid: i for i, lid in enumerate(self.state.queue, start=1)}
-        kernel_users = {lease.kernel_id: lease.user for lease in self.state.leases}
-        if self.kernels is not None:
-            for kernel_id in set(self.state.process_kernels.values()) - set(kernel_users):
-                user = self.kernels.user_of(kernel_id)
-                if user is not None:
-                    kernel_users[kernel_id] = user
-        return ViewContext(
-            now=self.clock(),
-            positions=positions,
-            notebooks=notebooks,
-            drained=self.state.drained,
-            process_kernels=self.state.process_kernels,
-            kernel_users=kernel_users,
-            cfg=self.cfg,
-            leases=self.state.leases,
-            caps=self.caps,
-            devices=[d.to_core(drained=d.uuid in self.state.drained) for d in self.state.snapshot],
-        )
-
-    def render_lease(self, lease: Lease, who: Principal, ctx: ViewContext | None = None) -> dict:
-        index = {d.uuid: d.index for d in self.state.snapshot}
-        return lease_json(lease, self._viewer(who), ctx or self.view_context(), index)
-
-    def render_device(self, device: DeviceSnapshot, who: Principal, ctx: ViewContext | None = None) -> dict:
-        return device_json(device, self.state.leases, self._viewer(who), ctx or self.view_context())
-
-    def _viewer(self, who: Principal) -> Principal:
-        if who.show_holders == self.show_holders:
-            return who
-        return replace(who, show_holders=self.show_holders)
-
+    # -- lookups ---------------------------------------------------------------------------
     def _need_inventory(self) -> None:
         if self.backend is None:
             raise NoInventory(
@@ -479,67 +474,11 @@ class LocalArbiter(Arbiter):
                 "set c.GPUSchedApp.backend = 'simulated' to try it without GPUs"
             )
 
-    async def status(self, who: Principal) -> dict:
-        ctx = self.view_context()
-        by_id = {lease.id: lease for lease in self.state.leases}
-        queue = [by_id[lid] for lid in self.state.queue if lid in by_id]
-        viewer = self._viewer(who)
-        status = {
-            "mode": self.mode,
-            "backend": self.backend_name,
-            "backend_note": self.backend_note,
-            "policy": self.cfg.policy,
-            "user": who.user,
-            "is_admin": who.admin,
-            "checkpoint": {"available": self.caps.checkpoint, "reason": self.caps.checkpoint_reason},
-            "devices": [self.render_device(d, viewer, ctx) for d in self.state.snapshot],
-            "leases": [self.render_lease(le, viewer, ctx) for le in self.state.leases],
-            "queue": queue_json(queue, viewer),
-            "unleased_processes": list(self.state.unleased) if who.admin else [],
-            "config": {
-                "idle_timeout": self.cfg.idle_timeout,
-                "contended_idle_timeout": self.cfg.contended_idle_timeout,
-                "release_timeout": self.cfg.release_timeout,
-                "grace_period": self.cfg.grace_period,
-                "reclaim_fallback": self.cfg.reclaim_fallback,
-                "max_keep": self.cfg.max_keep,
-                "poll_interval": self.poll_interval,
-            },
-            "time": iso(ctx.now),
-        }
-        return self.policy.status_extras(who, status)
-
-    async def devices(self, who: Principal) -> list[dict]:
-        ctx = self.view_context()
-        return [self.render_device(d, who, ctx) for d in self.state.snapshot]
-
-    async def leases(self, who: Principal, kernel_id: str | None = None) -> list[dict]:
-        ctx = self.view_context()
-        viewer = self._viewer(who)
-        out = []
-        for lease in self.state.leases:
-            if kernel_id is not None and (lease.kernel_id != kernel_id or not viewer.sees(lease)):
-                continue
-            out.append(self.render_lease(lease, viewer, ctx))
-        return out
-
     def _find(self, lease_id: str) -> Lease:
         found = self.known_lease(lease_id)
         if found is None:
             raise NotFound(f"no lease {lease_id!r}")
         return found
-
-    async def lease(self, who: Principal, lease_id: str) -> dict:
-        lease = self._find(lease_id)
-        if who.kernel_id is not None and lease.kernel_id != who.kernel_id:
-            raise Forbidden("a kernel's token can only read that kernel's own lease")
-        return self.render_lease(lease, who)
-
-    async def lease_for_kernel(self, kernel_id: str) -> Lease | None:
-        for lease in self.state.leases:
-            if lease.kernel_id == kernel_id and lease.live:
-                return lease
-        return None
 
     # -- writes ----------------------------------------------------------------------------
     async def claim(self, who: Principal, ask: Claim) -> ClaimResult:

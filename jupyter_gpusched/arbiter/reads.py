@@ -1,0 +1,130 @@
+"""What a :class:`~.local.LocalArbiter` answers without writing: status, devices, leases.
+
+Reads come from the arbiter's last view of the world (``state``), never from the ledger, except
+a lease that is no longer live (``_find``). Every view is shaped for the caller
+(:mod:`jupyter_gpusched.api.views`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Callable
+
+from ..api.views import Principal, ViewContext, device_json, iso, lease_json, queue_json
+from ..core import Lease
+from ..devices.base import DeviceSnapshot
+from .base import Forbidden
+
+
+class LocalReads:
+    """The read side of :class:`~.local.LocalArbiter` (a mixin: it uses the arbiter's state)."""
+
+    # What the arbiter provides (see LocalArbiter.__init__).
+    state: Any
+    kernels: Any
+    clock: Callable[[], float]
+    cfg: Any
+    caps: Any
+    mode: str
+    backend_note: str
+    poll_interval: float
+    show_holders: bool
+    policy: Any
+    backend_name: str
+    _find: Callable[[str], Lease]
+
+    def view_context(self) -> ViewContext:
+        notebooks = {}
+        if self.kernels is not None:
+            for lease in self.state.leases:
+                name = self.kernels.notebook(lease.kernel_id)
+                if name:
+                    notebooks[lease.kernel_id] = name
+        positions = {lid: i for i, lid in enumerate(self.state.queue, start=1)}
+        kernel_users = {lease.kernel_id: lease.user for lease in self.state.leases}
+        if self.kernels is not None:
+            for kernel_id in set(self.state.process_kernels.values()) - set(kernel_users):
+                user = self.kernels.user_of(kernel_id)
+                if user is not None:
+                    kernel_users[kernel_id] = user
+        return ViewContext(
+            now=self.clock(),
+            positions=positions,
+            notebooks=notebooks,
+            drained=self.state.drained,
+            process_kernels=self.state.process_kernels,
+            kernel_users=kernel_users,
+            cfg=self.cfg,
+            leases=self.state.leases,
+            caps=self.caps,
+            devices=[d.to_core(drained=d.uuid in self.state.drained) for d in self.state.snapshot],
+        )
+
+    def render_lease(self, lease: Lease, who: Principal, ctx: ViewContext | None = None) -> dict:
+        index = {d.uuid: d.index for d in self.state.snapshot}
+        return lease_json(lease, self._viewer(who), ctx or self.view_context(), index)
+
+    def render_device(self, device: DeviceSnapshot, who: Principal, ctx: ViewContext | None = None) -> dict:
+        return device_json(device, self.state.leases, self._viewer(who), ctx or self.view_context())
+
+    def _viewer(self, who: Principal) -> Principal:
+        if who.show_holders == self.show_holders:
+            return who
+        return replace(who, show_holders=self.show_holders)
+
+    async def status(self, who: Principal) -> dict:
+        ctx = self.view_context()
+        by_id = {lease.id: lease for lease in self.state.leases}
+        queue = [by_id[lid] for lid in self.state.queue if lid in by_id]
+        viewer = self._viewer(who)
+        status = {
+            "mode": self.mode,
+            "backend": self.backend_name,
+            "backend_note": self.backend_note,
+            "policy": self.cfg.policy,
+            "user": who.user,
+            "is_admin": who.admin,
+            "checkpoint": {"available": self.caps.checkpoint, "reason": self.caps.checkpoint_reason},
+            "devices": [self.render_device(d, viewer, ctx) for d in self.state.snapshot],
+            "leases": [self.render_lease(le, viewer, ctx) for le in self.state.leases],
+            "queue": queue_json(queue, viewer),
+            "unleased_processes": list(self.state.unleased) if who.admin else [],
+            "config": {
+                "idle_timeout": self.cfg.idle_timeout,
+                "contended_idle_timeout": self.cfg.contended_idle_timeout,
+                "release_timeout": self.cfg.release_timeout,
+                "grace_period": self.cfg.grace_period,
+                "reclaim_fallback": self.cfg.reclaim_fallback,
+                "max_keep": self.cfg.max_keep,
+                "poll_interval": self.poll_interval,
+            },
+            "time": iso(ctx.now),
+        }
+        return self.policy.status_extras(who, status)
+
+    async def devices(self, who: Principal) -> list[dict]:
+        ctx = self.view_context()
+        return [self.render_device(d, who, ctx) for d in self.state.snapshot]
+
+    async def leases(self, who: Principal, kernel_id: str | None = None) -> list[dict]:
+        ctx = self.view_context()
+        viewer = self._viewer(who)
+        out = []
+        for lease in self.state.leases:
+            if kernel_id is not None and (lease.kernel_id != kernel_id or not viewer.sees(lease)):
+                continue
+            out.append(self.render_lease(lease, viewer, ctx))
+        return out
+
+    async def lease(self, who: Principal, lease_id: str) -> dict:
+        lease = self._find(lease_id)
+        if who.kernel_id is not None and lease.kernel_id != who.kernel_id:
+            raise Forbidden("a kernel's token can only read that kernel's own lease")
+        return self.render_lease(lease, who)
+
+    async def lease_for_kernel(self, kernel_id: str) -> Lease | None:
+        for lease in self.state.leases:
+            if lease.kernel_id == kernel_id and lease.live:
+                return lease
+        return None
+
