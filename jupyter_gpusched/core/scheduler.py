@@ -81,6 +81,7 @@ class _Pass:
         self.empty_occ = host.empty_occ
         self._could_fit: dict[tuple, bool] = {}
         self.wakeups: list[float] = []
+        self._live: list[Lease] | None = None
 
     # -- helpers ---------------------------------------------------------------------------
     def set(self, lease: Lease, kind: str | None = None, reason: str = "", position: int | None = None) -> Lease:
@@ -89,6 +90,7 @@ class _Pass:
         if lease is not before and lease != before and lease.version == self.input[lease.id].version:
             lease = replace(lease, version=lease.version + 1)
         self.leases[lease.id] = lease
+        self._live = None
         if kind is not None:
             self.decisions.append(Decision(kind, lease, reason, position))
         return lease
@@ -98,7 +100,10 @@ class _Pass:
             self.wakeups.append(at)
 
     def live(self) -> list[Lease]:
-        return [le for le in self.leases.values() if le.live]
+        """The live leases as they stand now (a list no caller changes), rebuilt after a set()."""
+        if self._live is None:
+            self._live = [le for le in self.leases.values() if le.live]
+        return self._live
 
     def occupancy(self, leases: Iterable[Lease]) -> dict[str, Occupancy]:
         """``placement.occupancy(self.devices, leases)``, from the devices nobody holds: the
