@@ -57,8 +57,18 @@ class LocalReads:
             cfg=self.cfg,
             leases=self.state.leases,
             caps=self.caps,
-            devices=[d.to_core(drained=d.uuid in self.state.drained) for d in self.state.snapshot],
+            devices=self._core_devices(),
         )
+
+    _devices_of: tuple = (None, None, ())
+
+    def _core_devices(self) -> tuple:
+        """The host's devices as the core sees them, made again only when the GPUs or drains change."""
+        snapshot, drained, devices = self._devices_of
+        if snapshot is not self.state.snapshot or drained is not self.state.drained:
+            devices = tuple(d.to_core(drained=d.uuid in self.state.drained) for d in self.state.snapshot)
+            self._devices_of = (self.state.snapshot, self.state.drained, devices)
+        return devices
 
     def render_lease(self, lease: Lease, who: Principal, ctx: ViewContext | None = None) -> dict:
         index = {d.uuid: d.index for d in self.state.snapshot}
