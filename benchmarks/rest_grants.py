@@ -141,6 +141,13 @@ async def run_phase(
     return phase
 
 
+def _drift(by_quarter: list[float]) -> float | None:
+    """Claim p50 of the last quarter over the first's: above 1, claims cost more as history grows."""
+    if len(by_quarter) < 2 or not by_quarter[0] or by_quarter[-1] != by_quarter[-1]:
+        return None
+    return round(by_quarter[-1] / by_quarter[0], 2)
+
+
 def quarters(phase: Phase, seconds: float) -> list[float]:
     """Claim p50 (ms) by when the claim was sent, per quarter of the run: drift or a queue building up."""
     if not phase.first:
@@ -228,6 +235,9 @@ async def bench(args, server: JupyterServer) -> dict:
             "release_p99_ms": rel99,
             "claim_p50_by_quarter_ms": quarters(grants, args.seconds),
             "server_cpu": round(grants.server_cpu, 2),
+            # Server CPU per grant (its claim and its release), and per baseline request.
+            "server_cpu_ms_per_grant": round(1000 * grants.server_cpu * grants.wall / max(1, len(grants.first)), 2),
+            "server_cpu_ms_per_baseline_request": round(1000 * base.server_cpu * base.wall / max(1, len(base.first)), 2),
             "client_cpu": round(grants.client_cpu, 2),
             "unexpected": dict(grants.unexpected),
         },
@@ -236,6 +246,7 @@ async def bench(args, server: JupyterServer) -> dict:
             "claim_p99_vs_baseline": ratio(claim99, base99),
             "release_p50_vs_baseline": ratio(rel50, base50),
             "release_p99_vs_baseline": ratio(rel99, base99),
+            "claim_p50_last_vs_first_quarter": _drift(quarters(grants, args.seconds)),
         },
         "ledger": {
             "problems": problems,
@@ -268,6 +279,9 @@ def print_report(r: dict) -> None:
           f"{', '.join(f'{v:.2f}' for v in g['claim_p50_by_quarter_ms'])}")
     print(f"CPU (1.0 = one core): server {b['server_cpu']:.2f} baseline / {g['server_cpu']:.2f} grants; "
           f"clients {b['client_cpu']:.2f} / {g['client_cpu']:.2f}")
+    print(f"server CPU ms per grant (claim + release): {g['server_cpu_ms_per_grant']:.2f}, per baseline request: "
+          f"{b['server_cpu_ms_per_baseline_request']:.2f}   claim p50 last/first quarter: "
+          f"{q['claim_p50_last_vs_first_quarter']}")
     for label, bad in (("baseline", b["unexpected"]), ("grants", g["unexpected"])):
         for what, n in bad.items():
             print(f"unexpected in {label}: {n} x {what}")
