@@ -1,10 +1,19 @@
 """Replay the NotebookOS trace under every policy on several host sizes, then find capacities.
 
     python benchmarks/trace_replay.py [--trace PATH] [--gpus 48,64,96,142] [--json]
+    python benchmarks/trace_replay.py --sessions 1000,3000,10000,30000 [--policies hybrid,oracle]
+                                      [--host 512] [--json]
 
 Prints one table per host size (the DESIGN section 9 fields, GPU-hours held relative to the
 oracle, and the seconds each replay took) and the capacity of each policy: the fewest GPUs with
 p95 cell delay <= 5 s and no disruption.
+
+With ``--sessions`` it measures how replay cost grows with the trace instead: synthetic traces
+of one-cell sessions in the NotebookOS format (1,000 a day, so that the load on the host is the
+same at every size: 30,000 sessions are 30 days) replayed on ``--host`` GPUs, one policy after
+another in this process: seconds per replay, its ratio to the smallest trace in the same run,
+and that ratio over the ratio of sessions (1.0: linear growth). The oracle row checks that its
+GPU-hours equal the trace's.
 """
 
 from __future__ import annotations
@@ -18,7 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from jupyter_gpusched.simulate import POLICIES, find_capacity, load_trace, simulate  # noqa: E402
+from jupyter_gpusched.simulate import POLICIES, find_capacity, load_trace, parse_notebookos, simulate  # noqa: E402
+from jupyter_gpusched.simulate.synthetic import one_cell_trace  # noqa: E402
 from jupyter_gpusched.simulate.report import table  # noqa: E402
 
 TRACE = "notebookos-adobe-2021-06-01-02.json"
@@ -36,7 +46,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace", type=Path, default=None)
     parser.add_argument("--gpus", default="48,64,96,142", help="comma-separated host sizes")
     parser.add_argument("--json", action="store_true", help="print the numbers as JSON instead")
+    parser.add_argument(
+        "--sessions", default="", help="comma-separated trace sizes: measure replay cost against sessions instead"
+    )
+    parser.add_argument("--policies", default=",".join(POLICIES), help="with --sessions: the policies to replay")
+    parser.add_argument("--host", type=int, default=512, help="with --sessions: GPUs on the simulated host")
+    parser.add_argument("--seed", type=int, default=0, help="with --sessions: the synthetic traces' seed")
     args = parser.parse_args(argv)
+    if args.sessions:
+        return scaling(
+            [int(n) for n in args.sessions.split(",") if n.strip()],
+            [p.strip() for p in args.policies.split(",") if p.strip()],
+            args.host,
+            args.seed,
+            args.json,
+        )
     trace = load_trace(args.trace or default_trace())
     sizes = [int(n) for n in args.gpus.split(",") if n.strip()]
 
@@ -86,6 +110,62 @@ def main(argv: list[str] | None = None) -> int:
         gpus = "none" if found["gpus"] is None else found["gpus"]
         print(f"{policy.ljust(width)}  {str(gpus).rjust(5)} GPUs   ({found['seconds']:.2f}s to find)")
     print(f"capacity search took {time.perf_counter() - started:.1f}s in all")
+    return 0
+
+
+def scaling(sizes: list[int], policies: list[str], host: int, seed: int, as_json: bool) -> int:
+    """Seconds per replay against sessions, as ratios to the smallest size measured in this run."""
+    rows: list[dict] = []
+    for sessions in sizes:
+        started = time.perf_counter()
+        trace = parse_notebookos(one_cell_trace(sessions, seed=seed), source=f"synthetic-{sessions}")
+        busy_hours = trace.busy_gpu_seconds() / 3600.0
+        row: dict = {
+            "sessions": sessions,
+            "days": sessions / 1000,
+            "static_peak": trace.static_peak(),
+            "load_seconds": round(time.perf_counter() - started, 3),
+            "seconds": {},
+            "passes": {},
+        }
+        for policy in policies:
+            started = time.perf_counter()
+            result = simulate(trace, policy, host, progress=False)
+            row["seconds"][policy] = round(time.perf_counter() - started, 3)
+            row["passes"][policy] = result.passes
+            if policy == "oracle":
+                row["oracle_held_equals_busy"] = result.gpu_hours_held == busy_hours
+        row["total_seconds"] = round(sum(row["seconds"].values()), 3)
+        rows.append(row)
+        if not as_json:
+            times = "  ".join(f"{p} {row['seconds'][p]:6.2f}s" for p in policies)
+            print(f"{sessions:>7} sessions ({row['days']:g} days): {times}  all {row['total_seconds']:.1f}s", flush=True)
+    base = rows[0]
+    for row in rows:
+        growth = row["sessions"] / base["sessions"]
+        row["ratio"] = {
+            p: round(row["seconds"][p] / base["seconds"][p], 2) if base["seconds"][p] else None for p in policies
+        }
+        row["ratio_over_linear"] = {p: round(r / growth, 2) if r is not None else None for p, r in row["ratio"].items()}
+    if as_json:
+        print(json.dumps({"host_gpus": host, "policies": policies, "rows": rows}, indent=2))
+        return 0
+    print()
+    print(f"seconds per replay on {host} GPUs, as a ratio to {base['sessions']} sessions (x sessions ratio in brackets):")
+    width = max(len(p) for p in policies)
+    print(" " * (width + 2) + "".join(f"{row['sessions']:>16}" for row in rows))
+    for policy in policies:
+        cells = "".join(
+            f"{row['ratio'][policy]:>8.2f}x [{row['sessions'] / base['sessions']:>4.0f}]" for row in rows
+        )
+        print(f"{policy.ljust(width)}  {cells}")
+    print("ratio over linear growth (1.0: cost grows exactly as sessions do):")
+    for policy in policies:
+        print(f"{policy.ljust(width)}  " + "".join(f"{row['ratio_over_linear'][policy]:>16.2f}" for row in rows))
+    if "oracle" in policies:
+        print("oracle GPU-hours equal the trace's: " + ", ".join(
+            f"{row['sessions']}: {'yes' if row.get('oracle_held_equals_busy') else 'NO'}" for row in rows
+        ))
     return 0
 
 
