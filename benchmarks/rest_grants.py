@@ -280,7 +280,7 @@ def print_report(r: dict) -> None:
     print(f"CPU (1.0 = one core): server {b['server_cpu']:.2f} baseline / {g['server_cpu']:.2f} grants; "
           f"clients {b['client_cpu']:.2f} / {g['client_cpu']:.2f}")
     print(f"server CPU ms per grant (claim + release): {g['server_cpu_ms_per_grant']:.2f}, per baseline request: "
-          f"{b['server_cpu_ms_per_baseline_request']:.2f}   claim p50 last/first quarter: "
+          f"{g['server_cpu_ms_per_baseline_request']:.2f}   claim p50 last/first quarter: "
           f"{q['claim_p50_last_vs_first_quarter']}")
     for label, bad in (("baseline", b["unexpected"]), ("grants", g["unexpected"])):
         for what, n in bad.items():

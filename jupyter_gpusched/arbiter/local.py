@@ -563,7 +563,8 @@ class LocalArbiter(LocalReads, Arbiter):
             log.info("lease %s of kernel %s %s", lease.id, lease.kernel_id, why)
             if who.kernel_id is None and lease.user != who.user:
                 self.publish(ArbiterEvent("notice", notice=notice("released", done, f"Your GPU lease was {why}")))
-        await self.replan()
+        if self.state.queue:
+            await self.replan()  # someone waits (on any server of this ledger): grant them now
 
     async def keep(self, who: Principal, lease_id: str, seconds: float) -> dict:
         lease = self._own(who, lease_id)
