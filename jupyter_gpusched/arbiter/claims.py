@@ -18,7 +18,7 @@ from ..api.input import Claim
 from ..api.views import Principal
 from ..core import Lease, LeaseState
 from ..ledger import OwnerId
-from .base import Conflict, Forbidden
+from .base import ArbiterError, BadRequest, Conflict, Forbidden, NoInventory
 
 log = logging.getLogger("jupyter_gpusched")
 
@@ -33,6 +33,43 @@ class ClaimRequest:
     owner_pid: int | None = None
     #: Idle spells of the kernel's earlier lease, so that learning survives a release.
     gaps: tuple[float, ...] = ()
+
+
+def write_claims(
+    requests: list[ClaimRequest],
+    server_id: str,
+    device_index: Mapping[str, int],
+    cfg: core.SchedConfig,
+    tx,
+    leases: list[Lease],
+    devices: Iterable[core.Device],
+) -> list[tuple[str, str] | ArbiterError]:
+    """Several claims in one transaction (those that arrived together): each one's outcome, or its error.
+
+    A refused claim writes nothing and does not stop the others; each later claim sees the ones
+    written before it.
+    """
+    devices = list(devices)
+    out: list[tuple[str, str] | ArbiterError] = []
+    for request in requests:
+        try:
+            outcome = write_claim(request, server_id, device_index, cfg, tx, leases, devices)
+        except ArbiterError as exc:
+            out.append(exc)
+            continue
+        except core.ConflictError as exc:
+            out.append(Conflict(str(exc)))
+            continue
+        except core.NoCapacity as exc:
+            out.append(NoInventory(str(exc)))
+            continue
+        except core.SchedulingError as exc:
+            out.append(BadRequest(str(exc)))
+            continue
+        out.append(outcome)
+        if outcome[0] == "new":
+            leases = tx.leases()
+    return out
 
 
 def write_claim(
