@@ -134,8 +134,16 @@ def _add_simulate(verbs: argparse._SubParsersAction) -> None:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from .simulate import POLICIES, ReplayOptions, SimulationError, TraceError, find_capacity, load_trace, simulate
-    from .simulate.capacity import good_enough
+    from .simulate import (
+        POLICIES,
+        ReplayOptions,
+        SimulationError,
+        TraceError,
+        find_capacities,
+        load_trace,
+        simulate_policies,
+        verdicts,
+    )
     from .simulate.report import PlotUnavailable, as_json, plot, table
 
     try:
@@ -162,13 +170,11 @@ def _simulate(args: argparse.Namespace) -> int:
         trace = load_trace(args.trace, tick_seconds=args.tick_seconds)
         gpus = args.gpus if args.gpus is not None else max(trace.static_peak(), 1)
         policies = POLICIES if args.policy == "all" else (args.policy,)
-        results = {policy: simulate(trace, policy, gpus, options) for policy in policies}
+        # Policies replay in parallel processes where the host has the cores.
+        results = simulate_policies(trace, policies, gpus, options)
         capacities = None
         if args.find_capacity:
-            capacities = {
-                policy: find_capacity(trace, policy, options, known={gpus: good_enough(results[policy])})
-                for policy in policies
-            }
+            capacities = find_capacities(trace, policies, options, known=verdicts(results))
     except (TraceError, SimulationError, SchedulingError) as err:
         return _fail("simulate", str(err))
 
