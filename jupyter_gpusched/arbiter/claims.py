@@ -1,8 +1,9 @@
 """A claim written into the ledger: the step between ``LocalArbiter.claim`` and the core's plan.
 
-:func:`write_claim` runs inside the planning transaction (``LocalArbiter._plan_tx``): it answers
-with the kernel's existing lease where it has one, or admits a new claim (``core.admit``) and
-writes it, owned by the kernel's process. The core's :func:`~jupyter_gpusched.core.plan` of the
+:func:`write_claims` runs inside the planning transaction (``LocalArbiter._plan_tx``) for the
+claims that arrived together; :func:`write_claim`, for each, answers with the kernel's existing
+lease where it has one, or admits a new claim (``core.admit``) and writes it, owned by the
+kernel's process. The core's :func:`~jupyter_gpusched.core.plan` of the
 same transaction then grants it or queues it.
 """
 
@@ -35,14 +36,17 @@ class ClaimRequest:
     gaps: tuple[float, ...] = ()
 
 
+@dataclass(frozen=True)
+class Host:
+    """What a claim is written against: this arbiter's id, its GPUs' indices, the settings."""
+
+    server_id: str
+    device_index: Mapping[str, int]
+    cfg: core.SchedConfig
+
+
 def write_claims(
-    requests: list[ClaimRequest],
-    server_id: str,
-    device_index: Mapping[str, int],
-    cfg: core.SchedConfig,
-    tx,
-    leases: list[Lease],
-    devices: Iterable[core.Device],
+    requests: list[ClaimRequest], host: Host, tx, leases: list[Lease], devices: Iterable[core.Device]
 ) -> list[tuple[str, str] | ArbiterError]:
     """Several claims in one transaction (those that arrived together): each one's outcome, or its error.
 
@@ -53,7 +57,7 @@ def write_claims(
     out: list[tuple[str, str] | ArbiterError] = []
     for request in requests:
         try:
-            outcome = write_claim(request, server_id, device_index, cfg, tx, leases, devices)
+            outcome = write_claim(request, host, tx, leases, devices)
         except ArbiterError as exc:
             out.append(exc)
             continue
@@ -72,20 +76,12 @@ def write_claims(
     return out
 
 
-def write_claim(
-    request: ClaimRequest,
-    server_id: str,
-    device_index: Mapping[str, int],
-    cfg: core.SchedConfig,
-    tx,
-    leases: list[Lease],
-    devices: Iterable[core.Device],
-) -> tuple[str, str]:
+def write_claim(request: ClaimRequest, host: Host, tx, leases: list[Lease], devices: list[core.Device]) -> tuple[str, str]:
     """``(how, lease_id)``: ``existing``, ``pending`` or ``resume`` for the kernel's lease, or ``new``."""
     ask, who = request.ask, request.who
     mine = [le for le in leases if le.kernel_id == ask.kernel_id and le.live]
     if mine:
-        return _existing(who, ask, mine[0], device_index, tx)
+        return _existing(who, ask, mine[0], host.device_index, tx)
     claim = core.new_claim(
         uuidlib.uuid4().hex,
         ask.kernel_id,
@@ -98,7 +94,7 @@ def write_claim(
         groups=who.groups,
         gaps=request.gaps,
     )
-    core.admit(claim, list(devices), leases, cfg)
+    core.admit(claim, devices, leases, host.cfg)
     tx.put(claim)
     process = None
     if request.owner_pid is not None:
@@ -106,7 +102,7 @@ def write_claim(
             process = OwnerId.of_pid(request.owner_pid)
         except Exception:  # noqa: BLE001 - fall back to this server owning it
             process = None
-    tx.set_owner(claim.id, ask.kernel_id, server_id, process)
+    tx.set_owner(claim.id, ask.kernel_id, host.server_id, process)
     log.info(
         "lease %s: kernel %s (%s) asks for %s GPU(s)%s, %s",
         claim.id, ask.kernel_id, who.user, claim.count,

@@ -31,6 +31,7 @@ from . import enforce
 from .base import MAX_WAIT, Arbiter, ArbiterEvent, ClaimResult, KernelHost, gpus_label, notice
 from .base import BadRequest, Conflict, Forbidden, LedgerUnavailable, NoInventory, NotFound
 from .claims import ClaimRequest, write_claims
+from .claims import Host as ClaimHost
 from .observe import Observation, device_changed, observe
 from .policy import AccessPolicy
 from .reads import LocalReads
@@ -523,7 +524,7 @@ class LocalArbiter(LocalReads, Arbiter):
             async with self._tick_lock:
                 batch, self._claims = self._claims, []
                 index = {d.uuid: d.index for d in self.state.snapshot}
-                change = functools.partial(write_claims, [r for r, _ in batch], self.server_id, index, self.cfg)
+                change = functools.partial(write_claims, [r for r, _ in batch], ClaimHost(self.server_id, index, self.cfg))
                 try:
                     planned = await asyncio.to_thread(self._plan_tx, self._activity, change)
                 except Exception as exc:  # noqa: BLE001 - every claim of the batch hears why
