@@ -33,7 +33,19 @@ class LocalReads:
     backend_name: str
     _find: Callable[[str], Lease]
 
+    _context_of: tuple = ((), None)
+
     def view_context(self) -> ViewContext:
+        """The context of every view, made again only when the arbiter's view of the world changed."""
+        state = self.state
+        key = (state.leases, state.queue, state.drained, state.snapshot, state.process_kernels)
+        cached_key, ctx = self._context_of
+        if ctx is None or len(cached_key) != len(key) or any(a is not b for a, b in zip(cached_key, key)):
+            ctx = self._make_context()
+            self._context_of = (key, ctx)
+        return replace(ctx, now=self.clock())
+
+    def _make_context(self) -> ViewContext:
         notebooks = {}
         if self.kernels is not None:
             for lease in self.state.leases:
