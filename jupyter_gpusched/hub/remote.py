@@ -353,7 +353,9 @@ class RemoteKernels:
         if pid != kernel.pid:
             kernel.pid_started = procs.started(pid) if pid else None
             kernel.tree = frozenset({pid}) if pid else frozenset()
-            kernel.runtime_ns = None
+            # The CPU baseline is read now, not at the next sample: a first cell that runs in
+            # between (it often follows the kernel's start at once) would otherwise leave no trace.
+            kernel.runtime_ns = procs.runtime_ns([pid]) if pid else None
         last = report["last_busy_at"]
         if report["busy"] or (last is not None and (kernel.last_busy_at is None or last > kernel.last_busy_at)):
             kernel.last_claim_at = self.wall_clock()
