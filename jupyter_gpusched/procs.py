@@ -6,6 +6,12 @@ GPU, serves no request), and :class:`OwnerId` / :func:`is_alive` for owners reco
 host. The arbiter believes only what it can check here. In hub mode every process id a server reports
 is checked against this table (it must descend from that server's own process, whose owner the
 broker verified), and "busy" needs CPU or GPU use that this table or NVML shows.
+
+PID namespaces: NVML names processes by their host pid, while a process in a container (a
+Kubernetes pod) knows itself by its pid in its own PID namespace. :func:`pid_namespace` says which
+namespace a process lives in (the inode of ``/proc/<pid>/ns/pid``), :func:`namespace_pid` how a
+process names itself, and :class:`PidNamespaces` maps a (namespace, pid) pair to the pid this
+process sees, from ``/proc/<pid>/status`` (``NSpid``) and ``/proc/<pid>/ns/pid``.
 """
 
 from __future__ import annotations
@@ -14,8 +20,10 @@ import hmac
 import os
 import pwd
 import socket
+import threading
+import time
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Protocol
+from typing import Callable, Iterable, Mapping, Protocol
 
 import psutil
 
@@ -130,6 +138,19 @@ def descends_from(pid: int, ancestor: int) -> bool:
     return False
 
 
+def ancestors(pid: int, limit: int = MAX_DEPTH) -> list[int]:
+    """The parent of ``pid``, its parent, and so on, nearest first (at most ``limit``; pid 1 left out)."""
+    out: list[int] = []
+    current = pid
+    while len(out) < limit:
+        parent = _ppid(current)
+        if parent is None or parent <= 1 or parent in out:
+            break
+        out.append(parent)
+        current = parent
+    return out
+
+
 def process_trees(roots: Mapping[str, int], limit: int | None = None) -> dict[str, set[int]]:
     """Descendants of each root pid (itself included), from a single pass over all processes.
 
@@ -229,3 +250,269 @@ def unix_user(pid: int) -> str | None:
 
 def my_uid() -> int:
     return os.getuid()
+
+
+# -- PID namespaces ------------------------------------------------------------------------------
+
+#: The inode of the host's (initial) PID namespace: Linux gives it this fixed number
+#: (``PROC_PID_INIT_INO``), so a process can tell whether it runs in the host's PID namespace.
+HOST_PID_NAMESPACE = 0xEFFFFFFC
+#: What to do when the broker cannot see the processes of other PID namespaces.
+HOST_PID_ADVICE = "run the broker in the host's PID namespace (hostPID: true in its pod)"
+
+
+class PidNamespaceError(RuntimeError):
+    """``/proc`` cannot tell which process a pid of a PID namespace is; the message says why."""
+
+
+def _ns_inode(target: str) -> int:
+    # The link reads "pid:[4026531836]"; the number is the namespace's inode.
+    try:
+        return int(target[target.index("[") + 1 : target.rindex("]")])
+    except ValueError:
+        raise PidNamespaceError(f"cannot read a PID namespace from {target!r}") from None
+
+
+def pid_namespace(pid: int | None = None, proc: str = "/proc") -> int:
+    """The PID namespace ``pid`` (default: this process) lives in: the inode of ``/proc/<pid>/ns/pid``.
+
+    Two processes are in the same PID namespace exactly when these numbers are equal (on one host).
+
+    Raises:
+        ProcessLookupError: no process ``pid`` runs.
+        PidNamespaceError: ``/proc`` cannot tell (no ``/proc``, or the process may not be inspected).
+    """
+    who = "self" if pid is None else str(pid)
+    try:
+        return _ns_inode(os.readlink(f"{proc}/{who}/ns/pid"))
+    except FileNotFoundError:
+        if pid is not None and not os.path.exists(f"{proc}/{pid}"):
+            raise ProcessLookupError(f"no process {pid} runs here") from None
+        raise PidNamespaceError(f"{proc}/{who}/ns/pid does not exist: this system does not show PID namespaces") from None
+    except PermissionError:
+        raise PidNamespaceError(
+            f"cannot read the PID namespace of process {who} ({proc}/{who}/ns/pid: permission denied); "
+            "the broker reads other users' processes as root"
+        ) from None
+    except OSError as exc:
+        raise PidNamespaceError(f"cannot read the PID namespace of process {who}: {exc.strerror or exc}") from None
+
+
+def own_pid_namespace() -> int:
+    """This process's PID namespace, or 0 where the system does not say (no ``/proc``)."""
+    try:
+        return pid_namespace()
+    except (PidNamespaceError, ProcessLookupError):
+        return 0
+
+
+def _read_nspid(path: str) -> tuple[int, ...] | None:
+    """The ``NSpid`` entries of a status file (None: the kernel writes no such line)."""
+    with open(path, "rb") as f:
+        for line in f:
+            if line.startswith(b"NSpid:"):
+                return tuple(int(x) for x in line[6:].split())
+    return None
+
+
+def ns_pids(pid: int, proc: str = "/proc") -> tuple[int, ...]:
+    """The pids of process ``pid`` in each PID namespace from this ``/proc``'s down to its own.
+
+    The first is ``pid`` itself; the last is the pid the process has in its own namespace.
+
+    Raises:
+        ProcessLookupError: no process ``pid`` runs.
+        PidNamespaceError: the kernel does not say (Linux before 4.1 has no ``NSpid``).
+    """
+    try:
+        found = _read_nspid(f"{proc}/{pid}/status")
+    except FileNotFoundError:
+        raise ProcessLookupError(f"no process {pid} runs here") from None
+    except (OSError, ValueError) as exc:
+        raise PidNamespaceError(f"cannot read {proc}/{pid}/status: {exc}") from None
+    if not found:
+        raise PidNamespaceError(
+            f"{proc}/{pid}/status has no NSpid line: mapping PID namespaces needs Linux 4.1 or later"
+        )
+    return found
+
+
+def namespace_pid(pid: int, proc: str = "/proc") -> tuple[int, int]:
+    """How process ``pid`` (as this process sees it) names itself: (its PID namespace, its pid there).
+
+    Raises ProcessLookupError or :class:`PidNamespaceError`, as :func:`ns_pids` does.
+    """
+    ns = pid_namespace(pid, proc)
+    return ns, ns_pids(pid, proc)[-1]
+
+
+class PidNamespaces:
+    """Pids of other PID namespaces, as this process sees them (the host pid, for a broker run
+    with ``hostPID``).
+
+    ``host_pid(ns, pid)`` is ``pid`` itself for this process's own namespace. For another it reads
+    a map of every process's innermost namespace and pid, made by one pass over ``/proc``; the map
+    is kept, each answer from it is confirmed against the process itself (two small reads), and it
+    is made again only when a lookup misses (at most once every ``min_rescan`` seconds).
+    Safe to use from several threads.
+
+    Args:
+        proc: where procfs is mounted.
+        min_rescan: seconds between two passes over ``/proc`` that misses may cause.
+        clock: a monotonic clock (for tests).
+    """
+
+    #: How many namespaces are remembered as seen (past that, the oldest are forgotten).
+    MAX_SEEN = 65536
+
+    def __init__(self, proc: str = "/proc", min_rescan: float = 0.5, clock: Callable[[], float] = time.monotonic) -> None:
+        self.proc = proc
+        self.min_rescan = min_rescan
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._map: dict[int, dict[int, int]] = {}
+        self._seen: dict[int, None] = {}
+        self._scanned_at: float | None = None
+        self._denied = 0
+        self._no_nspid = False
+        #: Passes made over ``/proc`` (for tests and the log).
+        self.scans = 0
+
+    @property
+    def own(self) -> int:
+        """This process's PID namespace (0 where the system does not say)."""
+        return own_pid_namespace()
+
+    @property
+    def in_host_namespace(self) -> bool:
+        """Whether this process runs in the host's PID namespace (and so sees every process)."""
+        return self.own == HOST_PID_NAMESPACE
+
+    def scan(self) -> None:
+        """One pass over ``/proc``: each process's innermost namespace and its pid there."""
+        own = self.own
+        found: dict[int, dict[int, int]] = {}
+        denied = 0
+        no_nspid = False
+        try:
+            names = os.listdir(self.proc)
+        except OSError as exc:
+            raise PidNamespaceError(f"cannot list {self.proc}: {exc.strerror or exc}") from None
+        for name in names:
+            if not name.isdigit():
+                continue
+            try:
+                ns = _ns_inode(os.readlink(f"{self.proc}/{name}/ns/pid"))
+                if ns == own:
+                    found.setdefault(ns, {})[int(name)] = int(name)
+                    continue
+                entries = _read_nspid(f"{self.proc}/{name}/status")
+            except FileNotFoundError:
+                continue  # it exited meanwhile
+            except PermissionError:
+                # Its namespace may not be read; its status may: one NSpid entry means it is
+                # in this /proc's own namespace, which needs no mapping.
+                try:
+                    entries = _read_nspid(f"{self.proc}/{name}/status")
+                except (OSError, ValueError):
+                    entries = None
+                if not entries or len(entries) > 1:
+                    denied += 1
+                continue
+            except (OSError, ValueError, PidNamespaceError):
+                continue
+            if not entries:
+                no_nspid = True
+                continue
+            found.setdefault(ns, {})[entries[-1]] = int(name)
+        with self._lock:
+            self._map = found
+            for ns in found:
+                self._seen.pop(ns, None)
+                self._seen[ns] = None
+            while len(self._seen) > self.MAX_SEEN:
+                del self._seen[next(iter(self._seen))]
+            self._denied = denied
+            self._no_nspid = no_nspid
+            self._scanned_at = self.clock()
+            self.scans += 1
+
+    def _confirmed(self, host: int, ns: int, pid: int) -> bool:
+        try:
+            return pid_namespace(host, self.proc) == ns and ns_pids(host, self.proc)[-1] == pid
+        except (ProcessLookupError, PidNamespaceError):
+            return False
+
+    def _cached(self, ns: int, pid: int) -> int | None:
+        with self._lock:
+            host = self._map.get(ns, {}).get(pid)
+        return host if host is not None and self._confirmed(host, ns, pid) else None
+
+    def host_pids(self, ns: int, pids: Iterable[int]) -> dict[int, int]:
+        """Our pid for each of ``pids`` of namespace ``ns`` that runs now (the others are left out).
+
+        At most one pass over ``/proc`` for them all.
+
+        Raises:
+            PidNamespaceError: ``/proc`` cannot tell, such as a namespace this process cannot see
+                while it runs outside the host's PID namespace (:data:`HOST_PID_ADVICE`).
+        """
+        pids = list(pids)
+        if ns == self.own or ns == 0:
+            return {pid: pid for pid in pids}
+        out = {pid: host for pid in pids if (host := self._cached(ns, pid)) is not None}
+        missing = [pid for pid in pids if pid not in out]
+        if not missing:
+            return out
+        with self._lock:
+            due = self._scanned_at is None or self.clock() - self._scanned_at >= self.min_rescan
+        if due:
+            self.scan()
+            out.update((pid, host) for pid in missing if (host := self._cached(ns, pid)) is not None)
+        if len(out) < len(pids):
+            self._cannot_tell(ns)
+        return out
+
+    def host_pid(self, ns: int, pid: int) -> int | None:
+        """Our pid for process ``pid`` of PID namespace ``ns``; None if no such process runs now.
+
+        Raises:
+            PidNamespaceError: as :meth:`host_pids`.
+        """
+        return self.host_pids(ns, [pid]).get(pid)
+
+    def seen(self, ns: int) -> bool:
+        """Whether a pass over ``/proc`` ever found a process in namespace ``ns``."""
+        with self._lock:
+            return ns in self._seen
+
+    def _cannot_tell(self, ns: int) -> None:
+        """Raise if a miss in ``ns`` does not mean the process is gone; return if it does."""
+        with self._lock:
+            visible, seen = ns in self._map, ns in self._seen
+            denied, no_nspid = self._denied, self._no_nspid
+        if visible:
+            return
+        if no_nspid:
+            raise PidNamespaceError(
+                f"{self.proc}/<pid>/status has no NSpid line: mapping PID namespaces needs Linux 4.1 or later"
+            )
+        if denied:
+            raise PidNamespaceError(
+                f"cannot find PID namespace {ns}: {denied} processes in {self.proc} may not be inspected "
+                "(permission denied); the broker reads other users' processes as root"
+            )
+        if seen or self.in_host_namespace:
+            return  # every process of it has exited
+        raise PidNamespaceError(
+            f"PID namespace {ns} cannot be seen from this process's PID namespace ({self.own}), "
+            f"which is not the host's: {HOST_PID_ADVICE}"
+        )
+
+    def describe_missing(self, ns: int, pid: int) -> str:
+        """Why ``pid`` of namespace ``ns`` was not found, in words (after a lookup returned None)."""
+        with self._lock:
+            visible = ns in self._map
+        if visible:
+            return f"no process {pid} runs in PID namespace {ns}"
+        return f"no process runs in PID namespace {ns} (a process cannot name its pid {pid} there)"

@@ -12,6 +12,7 @@ from ...core.units import format_bytes
 from ..base import LOST, OK, DeviceBackend, DeviceSnapshot, GPUProcess, InventoryUnavailable
 from .config import DEFAULT_SEED, STATE_ENV, SimulatedDevice, default_state_path, parse_devices
 from .state import (
+    Processes,
     SimulatedCudaError,
     UnsafeStateFile,
     as_bytes,
@@ -19,7 +20,6 @@ from .state import (
     check_usable,
     device_row,
     drop_dead,
-    held_bytes,
     init_state,
     place,
     transaction,
@@ -45,6 +45,11 @@ FIELDS = (
 class SimulatedBackend(DeviceBackend):
     """Configured GPUs whose processes and faults live in a shared SQLite file.
 
+    Like NVML, the backend names processes by the pid it sees (the host pid, when it runs in the
+    host's PID namespace), whatever PID namespace they run in: :meth:`snapshot` reports them so,
+    and :meth:`checkpoint`, :meth:`restore`, :meth:`remove_process` and the other methods that
+    take a pid take that one.
+
     Args:
         devices: an int or a list of dicts (see :func:`parse_devices`).
         state_path: the SQLite file; ``None``: :func:`default_state_path`. It is created 0600;
@@ -62,6 +67,7 @@ class SimulatedBackend(DeviceBackend):
         self.devices = parse_devices(devices, seed)
         self.state_path = os.path.abspath(str(state_path or default_state_path()))
         self._by_uuid = {d.uuid: d for d in self.devices}
+        self.processes = Processes()
         try:
             init_state(self.state_path, self.devices, allow_shared)
         except UnsafeStateFile as exc:
@@ -83,22 +89,25 @@ class SimulatedBackend(DeviceBackend):
         try:
             with transaction(self.state_path, write=False) as conn:
                 states = {r["uuid"]: r for r in conn.execute("SELECT uuid, lost, utilization FROM devices")}
-                rows = list(conn.execute("SELECT pid, started, uuid, memory, utilization FROM processes"))
+                rows = list(conn.execute("SELECT pid, ns, started, uuid, memory, utilization FROM processes"))
                 faults = {r["field"] for r in conn.execute("SELECT field FROM faults")}
             # Liveness is checked outside the transaction: psutil is slow next to SQLite.
-            alive = {(r["pid"], r["started"]): procs.alive(r["pid"], r["started"]) for r in rows}
-            if not all(alive.values()):
+            running = self.processes.running({(r["pid"], r["ns"], r["started"]) for r in rows})
+            if any(host is None for host in running.values()):
                 with transaction(self.state_path, write=True) as conn:
-                    drop_dead(conn)
-        except (sqlite3.Error, SimulatedCudaError) as exc:
+                    drop_dead(conn, self.processes)
+        except (sqlite3.Error, SimulatedCudaError, procs.PidNamespaceError) as exc:
             raise InventoryUnavailable(
                 f"the simulated GPU state file {self.state_path} cannot be read ({exc})"
             ) from None
 
-        by_device: dict[str, list[sqlite3.Row]] = {}
+        # Each process under the pid this backend sees, as NVML names it; processes that do not
+        # run, or whose namespace cannot be seen from here, are left out.
+        by_device: dict[str, list[tuple[int, sqlite3.Row]]] = {}
         for row in rows:
-            if alive[(row["pid"], row["started"])]:
-                by_device.setdefault(row["uuid"], []).append(row)
+            host = running.get((row["pid"], row["ns"], row["started"]))
+            if host is not None:
+                by_device.setdefault(row["uuid"], []).append((host, row))
 
         def lost(uuid: str) -> bool:
             state = states.get(uuid)
@@ -116,17 +125,18 @@ class SimulatedBackend(DeviceBackend):
             elif children:
                 # In MIG mode the parent reports the memory of all instances and no utilization,
                 # as NVML does; its processes are listed on the instances.
-                memory_used = sum(r["memory"] for c in children for r in by_device.get(c.uuid, ()))
+                memory_used = sum(r["memory"] for c in children for _, r in by_device.get(c.uuid, ()))
                 utilization = None
             else:
-                mine = sorted(by_device.get(dev.uuid, ()), key=lambda r: r["pid"])
+                listed = sorted(by_device.get(dev.uuid, ()), key=lambda item: item[0])
+                mine = [r for _, r in listed]
                 processes = tuple(
                     GPUProcess(
-                        pid=r["pid"],
+                        pid=host,
                         memory_used=None if "process_memory" in faults else int(r["memory"]),
                         utilization=None if "process_utilization" in faults else float(r["utilization"]),
                     )
-                    for r in mine
+                    for host, r in listed
                 )
                 memory_used = sum(int(r["memory"]) for r in mine)
                 scripted = states[dev.uuid]["utilization"] if dev.uuid in states else None
@@ -162,6 +172,13 @@ class SimulatedBackend(DeviceBackend):
         except KeyError:
             raise ValueError(f"{uuid} is not one of this backend's simulated GPUs") from None
 
+    def _key(self, pid: int) -> tuple[str, tuple[int, ...]]:
+        """The SQL condition (and its values) on the rows of the process this backend sees as ``pid``."""
+        inner, ns = self.processes.identity(pid)
+        if self.processes.mine(ns):
+            return "pid = ? AND ns IN (?, 0)", (inner, ns)
+        return "pid = ? AND ns = ?", (inner, ns)
+
     def add_process(self, uuid: str, pid: int, memory: int | str, utilization: float = 0.0) -> None:
         """Process ``pid`` takes ``memory`` more bytes on ``uuid`` and keeps it ``utilization`` % busy.
 
@@ -175,9 +192,10 @@ class SimulatedBackend(DeviceBackend):
         started = procs.started(pid)
         if started is None:
             raise ValueError(f"process {pid} is not running; simulated GPU memory needs a live process")
+        inner, ns = self.processes.identity(pid)
         with transaction(self.state_path, write=True) as conn:
-            drop_dead(conn)
-            place(conn, uuid, pid, started, size, share)
+            drop_dead(conn, self.processes)
+            place(conn, uuid, inner, started, size, share, ns=ns)
         log.info("simulated GPU %s: process %s holds %s more at %s%%", uuid, pid, format_bytes(size), share)
 
     def set_process(
@@ -187,24 +205,30 @@ class SimulatedBackend(DeviceBackend):
         self._device(uuid)
         size = as_bytes(memory) if memory is not None else None
         share = as_percent(utilization, "utilization") if utilization is not None else None
+        where, key = self._key(pid)
         with transaction(self.state_path, write=True) as conn:
-            row = conn.execute("SELECT memory FROM processes WHERE pid = ? AND uuid = ?", (pid, uuid)).fetchone()
+            row = conn.execute(f"SELECT * FROM processes WHERE {where} AND uuid = ?", (*key, uuid)).fetchone()
             if row is None:
                 raise ValueError(f"process {pid} has nothing on simulated GPU {uuid}; use add_process")
+            match = (row["pid"], row["ns"], uuid)
             if size is not None and size > row["memory"]:
-                place(conn, uuid, pid, None, size - row["memory"], None)  # growing must fit
+                place(conn, uuid, row["pid"], None, size - row["memory"], None, ns=row["ns"])  # growing must fit
             elif size is not None:
-                conn.execute("UPDATE processes SET memory = ? WHERE pid = ? AND uuid = ?", (size, pid, uuid))
+                conn.execute("UPDATE processes SET memory = ? WHERE pid = ? AND ns = ? AND uuid = ?", (size, *match))
             if share is not None:
-                conn.execute("UPDATE processes SET utilization = ? WHERE pid = ? AND uuid = ?", (share, pid, uuid))
+                conn.execute(
+                    "UPDATE processes SET utilization = ? WHERE pid = ? AND ns = ? AND uuid = ?", (share, *match)
+                )
         log.info("simulated GPU %s: process %s set to memory %s, utilization %s", uuid, pid, memory, utilization)
 
     def remove_process(self, pid: int) -> int:
         """Process ``pid`` lets go of all its GPU memory (and any checkpoint); returns bytes freed."""
+        where, key = self._key(pid)
         with transaction(self.state_path, write=True) as conn:
-            freed = held_bytes(conn, "processes", pid=pid)
-            conn.execute("DELETE FROM processes WHERE pid = ?", (pid,))
-            conn.execute("DELETE FROM checkpoints WHERE pid = ?", (pid,))
+            row = conn.execute(f"SELECT COALESCE(SUM(memory), 0) FROM processes WHERE {where}", key).fetchone()
+            freed = int(row[0])
+            conn.execute(f"DELETE FROM processes WHERE {where}", key)
+            conn.execute(f"DELETE FROM checkpoints WHERE {where}", key)
         log.info("simulated GPUs: process %s removed, %s freed", pid, format_bytes(freed))
         return int(freed)
 
@@ -254,16 +278,17 @@ class SimulatedBackend(DeviceBackend):
         Raises:
             DeviceLost: some of its memory is on a lost GPU and cannot be copied out.
         """
+        where, key = self._key(pid)
         with transaction(self.state_path, write=True) as conn:
-            rows = list(conn.execute("SELECT * FROM processes WHERE pid = ?", (pid,)))
+            rows = list(conn.execute(f"SELECT * FROM processes WHERE {where}", key))
             for row in rows:
                 check_usable(conn, device_row(conn, row["uuid"]))
             conn.executemany(
-                "INSERT INTO checkpoints (pid, started, uuid, memory, utilization) VALUES (?, ?, ?, ?, ?)"
-                " ON CONFLICT (pid, uuid) DO UPDATE SET memory = memory + excluded.memory",
-                [(r["pid"], r["started"], r["uuid"], r["memory"], r["utilization"]) for r in rows],
+                "INSERT INTO checkpoints (pid, ns, started, uuid, memory, utilization) VALUES (?, ?, ?, ?, ?, ?)"
+                " ON CONFLICT (pid, ns, uuid) DO UPDATE SET memory = memory + excluded.memory",
+                [(r["pid"], r["ns"], r["started"], r["uuid"], r["memory"], r["utilization"]) for r in rows],
             )
-            conn.execute("DELETE FROM processes WHERE pid = ?", (pid,))
+            conn.execute(f"DELETE FROM processes WHERE {where}", key)
         moved = sum(int(r["memory"]) for r in rows)
         for row in rows:
             log.info(
@@ -276,8 +301,9 @@ class SimulatedBackend(DeviceBackend):
 
     def checkpointed(self, pid: int) -> int:
         """Bytes of ``pid``'s GPU memory held on the host by a checkpoint."""
+        where, key = self._key(pid)
         with transaction(self.state_path, write=False) as conn:
-            return held_bytes(conn, "checkpoints", pid=pid)
+            return int(conn.execute(f"SELECT COALESCE(SUM(memory), 0) FROM checkpoints WHERE {where}", key).fetchone()[0])
 
     def restore(self, pid: int, uuid_map: Mapping[str, str] | None = None) -> int:
         """Put a checkpointed process's GPU memory back, all of it or none.
@@ -296,8 +322,9 @@ class SimulatedBackend(DeviceBackend):
             DeviceLost: a target is lost.
         """
         uuid_map = dict(uuid_map or {})
+        where, key = self._key(pid)
         with transaction(self.state_path, write=True) as conn:
-            rows = list(conn.execute("SELECT * FROM checkpoints WHERE pid = ?", (pid,)))
+            rows = list(conn.execute(f"SELECT * FROM checkpoints WHERE {where}", key))
             for row in rows:
                 old = row["uuid"]
                 new = uuid_map.get(old, old)
@@ -309,8 +336,8 @@ class SimulatedBackend(DeviceBackend):
                         "a checkpoint goes back onto the same GPU model"
                     )
                 # place raises on a misfit and the transaction rolls back: no half-restored process.
-                place(conn, new, pid, row["started"], int(row["memory"]), float(row["utilization"]))
-            conn.execute("DELETE FROM checkpoints WHERE pid = ?", (pid,))
+                place(conn, new, row["pid"], row["started"], int(row["memory"]), float(row["utilization"]), ns=row["ns"])
+            conn.execute(f"DELETE FROM checkpoints WHERE {where}", key)
         restored = sum(int(r["memory"]) for r in rows)
         for row in rows:
             log.info(

@@ -2,6 +2,9 @@
 
 What user code calls inside a kernel (``simulated.allocate("16GiB")`` and the rest); the devices
 it may use come from ``CUDA_VISIBLE_DEVICES``, the state file from ``$JUPYTER_GPUSCHED_SIM_STATE``.
+The process is recorded as it knows itself, its pid in its own PID namespace with that namespace
+(a kernel in a container cannot know its host pid); the backend reports it under its host pid,
+as the driver does.
 """
 
 from __future__ import annotations
@@ -13,12 +16,37 @@ import sqlite3
 from ... import procs
 from ...core.units import format_bytes
 from .config import STATE_ENV
-from .state import SimulatedCudaError, as_bytes, as_percent, drop_dead, held_bytes, place, transaction
+from .state import (
+    Processes,
+    SimulatedCudaError,
+    as_bytes,
+    as_percent,
+    drop_dead,
+    held_bytes,
+    place,
+    transaction,
+)
 
 __all__ = ["allocate", "free", "memory_allocated", "set_utilization", "visible_devices"]
 
 # The package's one logger, named as before the simulated backend became a package.
 log = logging.getLogger("jupyter_gpusched.devices.simulated")
+
+
+#: This process's view of the processes in the state file (one, so that /proc is read sparingly).
+_processes: Processes | None = None
+
+
+def _me() -> tuple[int, int]:
+    """This process as the state file records it: (its pid, its PID namespace)."""
+    return os.getpid(), procs.own_pid_namespace()
+
+
+def _view() -> Processes:
+    global _processes
+    if _processes is None:
+        _processes = Processes(warn=False)
+    return _processes
 
 
 def _state_path() -> str:
@@ -78,8 +106,8 @@ def _resolve(device: int | str | None) -> str:
     return str(device)
 
 
-def _not_checkpointed(conn: sqlite3.Connection, pid: int) -> None:
-    if conn.execute("SELECT 1 FROM checkpoints WHERE pid = ?", (pid,)).fetchone():
+def _not_checkpointed(conn: sqlite3.Connection, pid: int, ns: int) -> None:
+    if conn.execute("SELECT 1 FROM checkpoints WHERE pid = ? AND ns = ?", (pid, ns)).fetchone():
         raise SimulatedCudaError(f"process {pid} is checkpointed: its GPU memory is on the host until it is restored")
 
 
@@ -101,11 +129,11 @@ def allocate(nbytes: int | str, device: int | str | None = None) -> str:
     """
     size = as_bytes(nbytes)
     uuid = _resolve(device)
-    pid = os.getpid()
+    pid, ns = _me()
     with transaction(_state_path(), write=True) as conn:
-        drop_dead(conn)
-        _not_checkpointed(conn, pid)
-        place(conn, uuid, pid, procs.started(pid), size, None)
+        drop_dead(conn, _view())
+        _not_checkpointed(conn, pid, ns)
+        place(conn, uuid, pid, procs.started(pid), size, None, ns=ns)
     log.debug("simulated GPU %s: process %s allocated %s", uuid, pid, format_bytes(size))
     return uuid
 
@@ -117,26 +145,30 @@ def free(nbytes: int | str | None = None, device: int | str | None = None) -> in
     CUDA context; ``free(n)`` gives back up to ``n`` bytes on ``device`` (default the first
     visible one) and keeps the context.
     """
-    pid = os.getpid()
+    pid, ns = _me()
     path = _state_path()
     if nbytes is None and device is None:
         with transaction(path, write=True) as conn:
-            freed = held_bytes(conn, "processes", pid=pid)
-            conn.execute("DELETE FROM processes WHERE pid = ?", (pid,))
+            freed = held_bytes(conn, "processes", pid=pid, ns=ns)
+            conn.execute("DELETE FROM processes WHERE pid = ? AND ns = ?", (pid, ns))
             return freed
     if nbytes is None:
         uuid = _resolve(device)
         with transaction(path, write=True) as conn:
-            freed = held_bytes(conn, "processes", pid=pid, uuid=uuid)
-            conn.execute("DELETE FROM processes WHERE pid = ? AND uuid = ?", (pid, uuid))
+            freed = held_bytes(conn, "processes", pid=pid, ns=ns, uuid=uuid)
+            conn.execute("DELETE FROM processes WHERE pid = ? AND ns = ? AND uuid = ?", (pid, ns, uuid))
             return freed
     size = as_bytes(nbytes)
     uuid = _resolve(device)
     with transaction(path, write=True) as conn:
-        row = conn.execute("SELECT memory FROM processes WHERE pid = ? AND uuid = ?", (pid, uuid)).fetchone()
+        row = conn.execute(
+            "SELECT memory FROM processes WHERE pid = ? AND ns = ? AND uuid = ?", (pid, ns, uuid)
+        ).fetchone()
         held = row["memory"] if row else 0
         freed = min(held, size)
-        conn.execute("UPDATE processes SET memory = memory - ? WHERE pid = ? AND uuid = ?", (freed, pid, uuid))
+        conn.execute(
+            "UPDATE processes SET memory = memory - ? WHERE pid = ? AND ns = ? AND uuid = ?", (freed, pid, ns, uuid)
+        )
     return int(freed)
 
 
@@ -144,15 +176,18 @@ def set_utilization(percent: float, device: int | str | None = None) -> None:
     """Say how busy this process keeps ``device`` (percent of the GPU), as its kernels would."""
     share = as_percent(percent, "utilization")
     uuid = _resolve(device)
-    pid = os.getpid()
+    pid, ns = _me()
     with transaction(_state_path(), write=True) as conn:
-        _not_checkpointed(conn, pid)
-        place(conn, uuid, pid, procs.started(pid), 0, share)
+        _not_checkpointed(conn, pid, ns)
+        place(conn, uuid, pid, procs.started(pid), 0, share, ns=ns)
 
 
 def memory_allocated(device: int | str | None = None) -> int:
     """Bytes this process holds on ``device`` (default the first visible one)."""
     uuid = _resolve(device)
+    pid, ns = _me()
     with transaction(_state_path(), write=False) as conn:
-        row = conn.execute("SELECT memory FROM processes WHERE pid = ? AND uuid = ?", (os.getpid(), uuid)).fetchone()
+        row = conn.execute(
+            "SELECT memory FROM processes WHERE pid = ? AND ns = ? AND uuid = ?", (pid, ns, uuid)
+        ).fetchone()
     return int(row["memory"]) if row else 0

@@ -3,6 +3,11 @@
 A small SQLite file (WAL mode) that the backend creates and kernels write their allocations to.
 Every write that checks before it writes runs in one ``BEGIN IMMEDIATE`` transaction, so two
 processes cannot both fit into the same free memory.
+
+A process is recorded as it knows itself: its pid in its own PID namespace, that namespace
+(``ns``, the inode of ``/proc/<pid>/ns/pid``; 0 where the system has none) and its start time.
+Readers map it to the pid they see (the backend: the host pid, as NVML reports it) with
+:class:`~jupyter_gpusched.procs.PidNamespaces`; see :class:`Processes`.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import logging
 import os
 import sqlite3
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from ... import files, procs
 from ...core.units import format_bytes, parse_memory
@@ -21,6 +26,7 @@ from .config import SimulatedDevice
 
 __all__ = [
     "ALLOW_SHARED_SETTING",
+    "Processes",
     "SimulatedCudaError",
     "SimulatedOutOfMemory",
     "UnsafeStateFile",
@@ -41,7 +47,8 @@ log = logging.getLogger("jupyter_gpusched.devices.simulated")
 #: The setting that lets an admin share the state file with other users' kernels.
 ALLOW_SHARED_SETTING = "c.GPUSchedApp.allow_shared_state_files (c.GPUBroker.allow_shared_state_files for the broker)"
 
-_SCHEMA_VERSION = 1
+_SCHEMA_VERSION = 2
+_PROCESS_TABLES = ("processes", "checkpoints")
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS devices (
     uuid TEXT PRIMARY KEY,
@@ -55,19 +62,21 @@ CREATE TABLE IF NOT EXISTS devices (
 );
 CREATE TABLE IF NOT EXISTS processes (
     pid INTEGER NOT NULL,
+    ns INTEGER NOT NULL DEFAULT 0,
     started REAL,
     uuid TEXT NOT NULL,
     memory INTEGER NOT NULL DEFAULT 0,
     utilization REAL NOT NULL DEFAULT 0,
-    PRIMARY KEY (pid, uuid)
+    PRIMARY KEY (pid, ns, uuid)
 );
 CREATE TABLE IF NOT EXISTS checkpoints (
     pid INTEGER NOT NULL,
+    ns INTEGER NOT NULL DEFAULT 0,
     started REAL,
     uuid TEXT NOT NULL,
     memory INTEGER NOT NULL,
     utilization REAL NOT NULL DEFAULT 0,
-    PRIMARY KEY (pid, uuid)
+    PRIMARY KEY (pid, ns, uuid)
 );
 CREATE TABLE IF NOT EXISTS faults (field TEXT PRIMARY KEY);
 """
@@ -138,7 +147,7 @@ def _open_state(path: str, allow_shared: bool) -> None:
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
             tables = {n for n in names if not n.startswith("sqlite_")}
-            if version not in (0, _SCHEMA_VERSION) or (version == 0 and tables) or tables - _TABLES:
+            if version not in (0, 1, _SCHEMA_VERSION) or (version == 0 and tables) or tables - _TABLES:
                 raise files.UnsafeFile(
                     "is a SQLite database of something else"
                     + (f" (it has tables {', '.join(sorted(tables - _TABLES))})" if tables - _TABLES else ""),
@@ -160,6 +169,8 @@ def init_state(path: str, devices: Sequence[SimulatedDevice], allow_shared: bool
     parents = {d.parent_uuid for d in devices if d.parent_uuid}
     with transaction(path, write=True, create=True) as conn:
         # executescript would commit first; run the statements inside this transaction instead.
+        if conn.execute("PRAGMA user_version").fetchone()[0] == 1:
+            _migrate_from_1(conn)
         for statement in _SCHEMA.split(";"):
             if statement.strip():
                 conn.execute(statement)
@@ -181,23 +192,121 @@ def init_state(path: str, devices: Sequence[SimulatedDevice], allow_shared: bool
             )
 
 
-def drop_dead(conn: sqlite3.Connection) -> set[int]:
-    """Forget the GPU memory of processes that exited, as the driver does."""
-    dead = {
-        (row["pid"], row["started"])
-        for row in conn.execute(
-            "SELECT DISTINCT pid, started FROM processes UNION SELECT DISTINCT pid, started FROM checkpoints"
+def _migrate_from_1(conn: sqlite3.Connection) -> None:
+    """Schema 1 named processes by pid alone, as the backend's PID namespace saw them."""
+    own = procs.own_pid_namespace()
+    for table in _PROCESS_TABLES:
+        conn.execute(f"ALTER TABLE {table} RENAME TO {table}_v1")
+    for statement in _SCHEMA.split(";"):
+        if statement.strip():
+            conn.execute(statement)
+    for table in _PROCESS_TABLES:
+        conn.execute(
+            f"INSERT INTO {table} (pid, ns, started, uuid, memory, utilization)"
+            f" SELECT pid, ?, started, uuid, memory, utilization FROM {table}_v1",
+            (own,),
         )
-        if not procs.alive(row["pid"], row["started"])
-    }
-    for pid, started in dead:
+        conn.execute(f"DROP TABLE {table}_v1")
+    log.info("simulated GPU state: processes now recorded with their PID namespace (schema 2)")
+
+
+class Processes:
+    """Processes recorded in the state file, seen from this process's PID namespace.
+
+    A row names a process as it knows itself (pid in its own namespace, the namespace); this
+    maps it to the pid this process sees, and says whether it still runs: a row of a namespace
+    this process cannot see (it runs outside the host's PID namespace, and the namespace is not
+    one of its own descendants) cannot be judged, and is left alone.
+    """
+
+    def __init__(self, namespaces: procs.PidNamespaces | None = None, *, warn: bool = True) -> None:
+        self.namespaces = namespaces or procs.PidNamespaces()
+        #: Whether rows that cannot be judged are worth a warning (the backend's log), or only a
+        #: debug line (a kernel, where a warning would land in the user's notebook).
+        self.warn = warn
+        self._warned: set[int] = set()
+
+    @property
+    def own(self) -> int:
+        return self.namespaces.own
+
+    def mine(self, ns: int) -> bool:
+        """Whether namespace ``ns`` of a row is this process's (0: recorded without namespaces)."""
+        return ns == 0 or ns == self.own
+
+    def identity(self, pid: int) -> tuple[int, int]:
+        """How the process this process sees as ``pid`` is recorded: (its pid there, its namespace).
+
+        A process that does not run (or whose namespace cannot be read) is taken to be of this
+        process's own namespace.
+        """
+        try:
+            ns, inner = procs.namespace_pid(pid)
+        except (ProcessLookupError, procs.PidNamespaceError):
+            return pid, self.own
+        return (pid, ns) if ns == self.own else (inner, ns)
+
+    def local_pids(self, rows: Iterable[tuple[int, int]]) -> dict[tuple[int, int], int | None]:
+        """The pid this process sees for each (pid, ns) row: None if it no longer runs.
+
+        Rows that cannot be judged are left out (and logged once per namespace).
+        """
+        out: dict[tuple[int, int], int | None] = {}
+        by_ns: dict[int, set[int]] = {}
+        for pid, ns in rows:
+            if self.mine(ns):
+                out[(pid, ns)] = pid
+            else:
+                by_ns.setdefault(ns, set()).add(pid)
+        for ns, pids in by_ns.items():
+            try:
+                found = self.namespaces.host_pids(ns, pids)
+            except procs.PidNamespaceError as exc:
+                if ns not in self._warned:
+                    self._warned.add(ns)
+                    log.log(
+                        logging.WARNING if self.warn else logging.DEBUG,
+                        "simulated GPUs: processes of PID namespace %s cannot be judged, left alone: %s", ns, exc,
+                    )
+                continue
+            out.update(((pid, ns), found.get(pid)) for pid in pids)
+        return out
+
+    def running(self, rows: Iterable[tuple[int, int, float | None]]) -> dict[tuple[int, int, float | None], int | None]:
+        """The pid this process sees for each (pid, ns, started) row whose process runs; None for
+        one that has exited (or whose pid another process took). Rows that cannot be judged are
+        left out."""
+        rows = list(rows)
+        local = self.local_pids((pid, ns) for pid, ns, _ in rows)
+        out: dict[tuple[int, int, float | None], int | None] = {}
+        for pid, ns, started in rows:
+            if (pid, ns) in local:
+                host = local[(pid, ns)]
+                out[(pid, ns, started)] = host if host is not None and procs.alive(host, started) else None
+        return out
+
+
+def drop_dead(conn: sqlite3.Connection, processes: Processes) -> set[tuple[int, int]]:
+    """Forget the GPU memory of processes that exited, as the driver does; returns their (pid, ns).
+
+    Processes whose fate ``processes`` cannot tell (another PID namespace it does not see) stay.
+    """
+    rows = [
+        (row["pid"], row["ns"], row["started"])
+        for row in conn.execute(
+            "SELECT DISTINCT pid, ns, started FROM processes UNION SELECT DISTINCT pid, ns, started FROM checkpoints"
+        )
+    ]
+    dead = [row for row, host in processes.running(rows).items() if host is None]
+    for pid, ns, started in dead:
         # Matched on the start time too: a new process that reused the pid keeps its own memory.
-        match = (pid, started)
-        for row in conn.execute("SELECT uuid, memory FROM processes WHERE pid = ? AND started IS ?", match):
+        match = (pid, ns, started)
+        where = "pid = ? AND ns = ? AND started IS ?"
+        for row in conn.execute(f"SELECT uuid, memory FROM processes WHERE {where}", match):
             log.info("simulated GPU %s: process %s exited; %s freed", row["uuid"], pid, format_bytes(row["memory"]))
-        conn.execute("DELETE FROM processes WHERE pid = ? AND started IS ?", match)
-        conn.execute("DELETE FROM checkpoints WHERE pid = ? AND started IS ?", match)
-    return {pid for pid, _ in dead}
+        conn.execute(f"DELETE FROM processes WHERE {where}", match)
+        conn.execute(f"DELETE FROM checkpoints WHERE {where}", match)
+    return {(pid, ns) for pid, ns, _ in dead}
 
 
 def device_row(conn: sqlite3.Connection, uuid: str) -> sqlite3.Row:
@@ -227,24 +336,30 @@ def held_bytes(conn: sqlite3.Connection, table: str, **match: Any) -> int:
 
 
 def place(
-    conn: sqlite3.Connection, uuid: str, pid: int, started: float | None, nbytes: int, utilization: float | None
+    conn: sqlite3.Connection,
+    uuid: str,
+    pid: int,
+    started: float | None,
+    nbytes: int,
+    utilization: float | None,
+    ns: int = 0,
 ) -> None:
-    """Add ``nbytes`` for ``pid`` on ``uuid``, refusing what would not fit (the OOM check)."""
+    """Add ``nbytes`` for process ``pid`` of namespace ``ns`` on ``uuid``, refusing what would not fit."""
     row = device_row(conn, uuid)
     check_usable(conn, row)
     used = held_bytes(conn, "processes", uuid=uuid)
     if used + nbytes > row["memory_total"]:
-        mine = held_bytes(conn, "processes", uuid=uuid, pid=pid)
+        mine = held_bytes(conn, "processes", uuid=uuid, pid=pid, ns=ns)
         raise SimulatedOutOfMemory(
             f"CUDA out of memory (simulated): tried to allocate {format_bytes(nbytes)} on {uuid}, which has "
             f"{format_bytes(row['memory_total'])} in all, {format_bytes(used)} in use "
             f"({format_bytes(mine)} by process {pid}) and {format_bytes(row['memory_total'] - used)} free"
         )
     conn.execute(
-        "INSERT INTO processes (pid, started, uuid, memory, utilization) VALUES (?, ?, ?, ?, COALESCE(?, 0))"
-        " ON CONFLICT (pid, uuid) DO UPDATE SET memory = memory + excluded.memory,"
+        "INSERT INTO processes (pid, ns, started, uuid, memory, utilization) VALUES (?, ?, ?, ?, ?, COALESCE(?, 0))"
+        " ON CONFLICT (pid, ns, uuid) DO UPDATE SET memory = memory + excluded.memory,"
         " utilization = COALESCE(?, utilization)",
-        (pid, started, uuid, nbytes, utilization, utilization),
+        (pid, ns, started, uuid, nbytes, utilization, utilization),
     )
 
 
