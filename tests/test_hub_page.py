@@ -225,3 +225,58 @@ def test_a_user_confirms_only_the_release_of_their_own_lease():
             assert site.broker.changes == []
 
     run(scenario())
+
+
+def test_the_admin_page_lists_every_node(tmp_path):
+    """Two real node brokers (test_hub_broker's), sharing the gpusched service's token, and a
+    third that was listed but does not run: node-a's page shows all three."""
+    from jupyter_gpusched.api.input import Claim
+    from jupyter_gpusched.api.views import Principal
+    from test_hub_broker import Setup
+
+    service_token = "gpusched-service-token"
+    setups = {}
+    for name in ("node-a", "node-b"):
+        (tmp_path / name).mkdir()
+        setups[name] = Setup(tmp_path / name, node_name=name, idle_timeout=300.0, quotas={"*": 1})
+    silent = f"node-c=http://127.0.0.1:{free_port()}{PREFIX}"
+    setups["node-a"].traits["node_brokers"] = ",".join([f"{n}={s.url}" for n, s in setups.items()] + [silent])
+
+    async def scenario():
+        a = await setups["node-a"].start_broker()
+        b = await setups["node-b"].start_broker()
+        http = AsyncHTTPClient(force_instance=True)
+        try:
+            # node-a's page signs users in from the table; node-b knows the service's token.
+            a.hub_auth = StubHubOAuth(api_token=service_token, base_url=PREFIX, access_scopes={SCOPE}, login_url="")
+            b.hub_auth.api_token = service_token
+            client, kernels = await setups["node-b"].server("bob")
+            assert (await client.claim(Principal("bob"), Claim(kernels.ids[0]))).status == 201
+
+            async def page(token):
+                r = await http.fetch(
+                    HTTPRequest(setups["node-a"].url, headers={"Authorization": f"token {token}"}), raise_error=False
+                )
+                assert r.code == 200, r.body
+                return r.body.decode()
+
+            text = await page("tok-root")
+            assert "Node <b>node-a</b>." in text
+            nodes = text[text.index("<h2>Nodes</h2>"):]
+            cells = r"</code></td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>"
+            # node, then GPUs, free, reclaimable, leases, waiting
+            assert re.search(r"node-a <span class='muted'>\(this node\)</span></td><td>1</td><td>1</td><td>0</td><td>0</td><td>0</td>", nodes)
+            assert re.search(r"node-b<br><code class='muted'>" + re.escape(setups["node-b"].url) + cells.format(1, 0, 0, 1, 0), nodes)
+            assert re.search(r"node-c<br><code class='muted'>[^<]+</code></td><td colspan='5' class='warn'>not answering", nodes)
+            detail_b = nodes[nodes.index("<h3>node-b</h3>"):]
+            assert "<td>held</td><td>bob</td>" in detail_b and "nobody waits" in detail_b
+            assert "<h3>node-a</h3>" in nodes and "<h3>node-c</h3>" not in nodes
+
+            # The cluster view is for hub admins.
+            assert "<h2>Nodes</h2>" not in await page("tok-alice")
+        finally:
+            http.close()
+            for setup in setups.values():
+                await setup.close()
+
+    run(scenario())

@@ -245,6 +245,7 @@ SCHEMAS = {
             "devices": {"type": "array", "items": {"$ref": "#/components/schemas/Device"}},
             "leases": {"type": "array", "items": _LEASE},
             "queue": {"type": "array", "items": {"$ref": "#/components/schemas/QueueEntry"}},
+            "node": {"type": "string", "description": "hub broker only: the node (host) whose GPUs it schedules"},
         },
     },
     "Claim": {
@@ -309,11 +310,96 @@ _REASON = {
 }
 
 
-def openapi_document() -> dict:
-    """The document, new each call (callers may change their copy)."""
+_COUNT = {"type": "integer", "minimum": 0}
+
+#: ``GET api/gpusched/node`` (broker only): one node in brief, for the hub's spawn hook
+#: (``jupyter_gpusched.kubernetes``) and the cluster view of the admin page.
+NODE_SUMMARY = {
+    "type": "object",
+    "required": ["node", "time", "policy", "backend", "gpus", "free", "reclaimable", "pending", "leases", "devices", "queue"],
+    "properties": {
+        "node": {"type": "string", "description": "the node's name (the broker's node_name)"},
+        "time": _TIME,
+        "policy": {"type": "string", "enum": ["static", "dynamic", "hybrid"]},
+        "backend": {"type": "string", "enum": ["nvml", "simulated", "none"]},
+        "gpus": {**_COUNT, "description": "GPUs that can be scheduled (healthy, not drained; MIG instances, not their parents)"},
+        "free": {**_COUNT, "description": "of those, GPUs no lease holds"},
+        "reclaimable": {
+            **_COUNT,
+            "description": (
+                "of those, GPUs held only by leases the reclaim ladder can take back for another user's claim: "
+                "idle leases on borrowed capacity (or under the dynamic policy, or due to be taken back anyway), "
+                "and leases being reclaimed"
+            ),
+        },
+        "pending": {**_COUNT, "description": "claims waiting in the queue"},
+        "leases": {**_COUNT, "description": "leases that hold GPUs"},
+        "devices": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["index", "uuid", "name", "memory_total", "health", "state", "users"],
+                "properties": {
+                    "index": {"type": "integer"},
+                    "uuid": {"type": "string"},
+                    "name": {"type": "string"},
+                    "memory_total": {"type": "integer", "description": "bytes"},
+                    "health": {"type": "string", "enum": ["ok", "lost", "drained"]},
+                    "state": {
+                        "type": "string",
+                        "enum": ["free", "reclaimable", "held", "unavailable"],
+                        "description": "unavailable: lost, drained, or split into MIG instances",
+                    },
+                    "users": {"type": "array", "items": {"type": "string"}, "description": "who holds it"},
+                },
+            },
+        },
+        "queue": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["position", "user", "count", "waiting_since"],
+                "properties": {
+                    "position": {"type": "integer"},
+                    "user": {"type": "string"},
+                    "count": {"type": "integer"},
+                    "waiting_since": _TIME,
+                },
+            },
+        },
+    },
+}
+
+
+def _broker_paths() -> dict:
+    """The operations only the hub broker serves."""
+    return {
+        "/api/gpusched/node": {
+            "get": {
+                "summary": "Broker only: this node's GPUs, leases and queue in brief",
+                "description": (
+                    "For hub admins and for the gpusched service's own token (the hub's spawn hook and "
+                    "the other node brokers); anyone else is refused (403)."
+                ),
+                "security": [{"jupyter": []}],
+                "responses": {
+                    "200": _resp("The node summary", copy.deepcopy(NODE_SUMMARY)),
+                    "400": _error("BadRequest"),
+                    "403": _error("Forbidden"),
+                },
+            }
+        },
+    }
+
+
+def openapi_document(broker: bool = False) -> dict:
+    """The document, new each call (callers may change their copy).
+
+    ``broker``: with the operations only the hub broker serves (it serves that document).
+    """
     lease_id = {"$ref": "#/components/parameters/LeaseId"}
     uuid = {"$ref": "#/components/parameters/DeviceUuid"}
-    return {
+    doc = {
         "openapi": "3.1.0",
         "info": {
             "title": "jupyter-gpusched",
@@ -466,4 +552,6 @@ def openapi_document() -> dict:
             },
         },
     }
-
+    if broker:
+        doc["paths"].update(_broker_paths())
+    return doc

@@ -31,6 +31,8 @@ OPENAPI = "/openapi.json"
 #: Broker only.
 KERNEL_ENDED = rf"/kernels/{KERNEL_ID}/ended"
 SERVERS_CONNECT = "/servers/connect"
+#: Broker only: this node's GPUs, leases and queue in brief (hub admins and the gpusched service).
+NODE = "/node"
 
 
 def lease_path(lease_id: str) -> str:

@@ -15,6 +15,12 @@ Under the service prefix (``JUPYTERHUB_SERVICE_PREFIX``, e.g. ``/services/gpusch
 - ``/``: the admin page (hub login through OAuth): the host, every lease, the queue, unleased
   GPU processes, servers, drain and undrain. Other users see the host as the REST API shows it.
 - ``metrics``: Prometheus metrics (hub admins).
+- ``api/gpusched/node``: this node's GPUs, leases and queue in brief, for hub admins and the
+  ``gpusched`` service itself (the hub's spawn hook and the other node brokers).
+
+Beyond one host (JupyterHub on Kubernetes), one broker runs on each GPU node and every one acts
+as the hub service ``gpusched``: ``node_name`` says which node it is, ``node_brokers`` where the
+others are, for the cluster view of the admin page (:mod:`jupyter_gpusched.kubernetes`).
 
 The service (the hub's rules and the events) is in :mod:`.service`, the handlers in
 :mod:`.handlers`; this module is the application: configuration, start-up and shutdown.
@@ -36,13 +42,13 @@ from tornado.httpserver import HTTPServer
 from traitlets import Bool, Float, Int, TraitError, Unicode, default, validate
 from traitlets.config import Application
 
+from .. import kubernetes
 from .._version import __version__
-from ..arbiter import HubPolicy
 from ..arbiter.build import build_local_arbiter
 from ..config import SchedulingConfig
 from .handlers import broker_handlers
 from .remote import RemoteKernels
-from .service import Broker, _gpu_use
+from .service import Broker, BrokerPolicy, _gpu_use
 
 DEFAULT_URL = "http://127.0.0.1:10101"
 DEFAULT_PREFIX = "/services/gpusched/"
@@ -144,7 +150,27 @@ class GPUBroker(SchedulingConfig, Application):
 
     broker_id = Unicode(
         help="""The id under which the broker owns leases in the ledger; it must stay the same
-        across restarts for leases to survive them. Default: gpusched-broker@<hostname>.""",
+        across restarts for leases to survive them. Default: gpusched-broker@<node_name>.""",
+    ).tag(config=True)
+
+    node_name = Unicode(
+        help="""The name of the node (host) whose GPUs this broker schedules, as the cluster view,
+        the node summary (GET api/gpusched/node) and the status show it, and as the hub's spawn hook
+        prefers it (on Kubernetes: the node's name, which the node affinity matches). Default: the
+        environment variable NODE_NAME (set it from the downward API, spec.nodeName), else the
+        host name.""",
+    ).tag(config=True)
+
+    node_brokers = Unicode(
+        help="""The GPU brokers of all the nodes, for the cluster view of the admin page:
+        "name=url,name=url", each a node's name and its broker's URL with the service prefix
+        (e.g. gpu-a=http://10.0.0.5:8765/services/gpusched/); this node's own entry is skipped.
+        Default: the environment variable GPUSCHED_NODE_BROKERS. Empty: on Kubernetes, the broker
+        pods found through the Kubernetes API (label selector GPUSCHED_BROKER_SELECTOR, port
+        GPUSCHED_BROKER_PORT, prefix GPUSCHED_BROKER_PREFIX; the pod's service account must be
+        allowed to list pods); elsewhere,
+        no other node (the page shows this host only). The other brokers are asked with this
+        broker's own API token (JUPYTERHUB_API_TOKEN), which every node broker shares.""",
     ).tag(config=True)
 
     #: Set by :meth:`setup` (None until then).
@@ -155,7 +181,36 @@ class GPUBroker(SchedulingConfig, Application):
 
     @default("broker_id")
     def _broker_id_default(self) -> str:
-        return f"gpusched-broker@{socket.gethostname()}"
+        # The node's name, not the pod's host name: a restarted broker pod finds its leases.
+        return f"gpusched-broker@{self.node_name}"
+
+    @default("node_name")
+    def _node_name_default(self) -> str:
+        return os.environ.get("NODE_NAME", "").strip() or socket.gethostname()
+
+    @default("node_brokers")
+    def _node_brokers_default(self) -> str:
+        value = os.environ.get(kubernetes.ENV_NODE_BROKERS, "")
+        try:
+            kubernetes.parse_node_brokers(value)
+        except ValueError as exc:
+            raise TraitError(str(exc)) from None
+        return value
+
+    @validate("node_name")
+    def _valid_node_name(self, proposal):
+        value = proposal["value"].strip()
+        if not value:
+            raise TraitError("node_name must not be empty")
+        return value
+
+    @validate("node_brokers")
+    def _valid_node_brokers(self, proposal):
+        try:
+            kubernetes.parse_node_brokers(proposal["value"], "node_brokers")
+        except ValueError as exc:
+            raise TraitError(str(exc)) from None
+        return proposal["value"]
 
     @default("log_format")
     def _log_format_default(self) -> str:
@@ -217,6 +272,7 @@ class GPUBroker(SchedulingConfig, Application):
             self.update_config(self.cli_config)  # the command line wins over the file
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise TraitError("heartbeat_timeout must be longer than heartbeat_interval")
+        self.node_brokers  # noqa: B018 - a malformed GPUSCHED_NODE_BROKERS stops the start here
 
     def _wire_logging(self) -> None:
         """The package's loggers (scheduler, ledger, devices) write where the broker's log does."""
@@ -262,7 +318,7 @@ class GPUBroker(SchedulingConfig, Application):
             simulated_state_path=self.simulated_state_path,
             mode="hub",
             show_holders=self.show_holders,
-            policy=HubPolicy(self.kernels),
+            policy=BrokerPolicy(self.kernels, node=self.node_name),
         )
         self.ledger = self.arbiter.ledger
         self.kernels.gpu_pids = lambda: {p.pid for d in self.arbiter.state.snapshot for p in d.processes}
@@ -289,10 +345,32 @@ class GPUBroker(SchedulingConfig, Application):
         self.http_server.listen(port, address)
         self._upkeep = asyncio.create_task(self._upkeep_loop())
         self.log.info(
-            "GPU broker %s on %s%s: %s backend, %d GPU(s), ledger %s, policy %s",
-            __version__, self.url.rstrip("/"), p, self.arbiter.backend_name,
+            "GPU broker %s of node %s on %s%s: %s backend, %d GPU(s), ledger %s, policy %s",
+            __version__, self.node_name, self.url.rstrip("/"), p, self.arbiter.backend_name,
             len(self.arbiter.state.snapshot), self.ledger.path, self.policy,
         )
+
+    @property
+    def service_token(self) -> str:
+        """The broker's own hub API token: the ``gpusched`` service's, shared by every node broker."""
+        return getattr(self.hub_auth, "api_token", None) or ""
+
+    async def cluster(self) -> dict:
+        """Every node of the cluster view: this one and the other node brokers, each with its summary.
+
+        ``{"nodes": [{"name", "url", "this", "summary"}], "error"}``: ``summary`` is None for a
+        broker that does not answer; ``error`` says why the other brokers could not be listed
+        (None: they could). This node comes first, then the others by name.
+        """
+        nodes = [{"name": self.node_name, "url": None, "this": True, "summary": self.broker.node_summary(self.node_name)}]
+        try:
+            brokers = await asyncio.to_thread(kubernetes.node_brokers, self.node_brokers)
+        except (ValueError, kubernetes.DiscoveryError) as exc:
+            return {"nodes": nodes, "error": str(exc)}
+        others = [b for b in brokers if b.name != self.node_name]
+        summaries = await kubernetes.node_summaries(others, self.service_token) if others else {}
+        nodes += [{"name": b.name, "url": b.url, "this": False, "summary": summaries.get(b.name)} for b in others]
+        return {"nodes": nodes, "error": None}
 
     async def _upkeep_loop(self) -> None:
         while True:

@@ -3,14 +3,17 @@
 Callers are identified with the hub (``HubAuth``): a token in the ``Authorization`` header, or
 ``?token=`` on websockets; never a cookie. The REST handlers themselves are the shared ones of
 :mod:`jupyter_gpusched.api.handlers`; here are only the broker's own: a server's kernel ended,
-metrics, the events websocket (batched) and the servers' websocket (heartbeats and orders).
+metrics, the events websocket (batched) and the servers' websocket (heartbeats and orders), and
+the node summary for the hub's spawn hook and the other node brokers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
+import os
 import uuid as uuidlib
 from typing import Any
 
@@ -21,6 +24,7 @@ from .. import procs
 from ..api import input as api_input
 from ..api import routes
 from ..api.handlers import APIMixin, api_handlers, arbiter_errors
+from ..api.openapi import openapi_document
 from ..api.input import bad_input
 from ..api.routes import KERNEL_HEADER, PID_HEADER, SERVER_HEADER
 from ..api.views import Principal
@@ -132,6 +136,42 @@ class MetricsHandler(APIHandler):
 
         self.set_header("Content-Type", CONTENT_TYPE_LATEST)
         self.finish(generate_latest())
+
+
+class NodeHandler(APIMixin, APIHandler):
+    """``GET api/gpusched/node``: this node's GPUs, leases and queue in brief.
+
+    For hub admins, and for the ``gpusched`` service's own token: the hub's spawn hook and the
+    other node brokers, which all share it. That token is compared here with the broker's own
+    (``JUPYTERHUB_API_TOKEN``) rather than sent to the hub.
+    """
+
+    is_service = False
+
+    async def prepare(self) -> None:
+        token = self.app.hub_auth.get_token(self, in_cookie=False)
+        own = self.app.service_token
+        if token and own and hmac.compare_digest(token.encode(), own.encode()):
+            self.is_service = True
+            self.who = Principal(user=f"service:{os.environ.get('JUPYTERHUB_SERVICE_NAME') or 'gpusched'}")
+            return
+        await super().prepare()
+
+    async def get(self) -> None:
+        if not (self.is_service or self.who.admin):
+            raise web.HTTPError(
+                403,
+                f"{self.who.user} may not read the node summary: it is for hub admins and the gpusched "
+                "service's own token",
+            )
+        self.reply(self.broker.node_summary(self.app.node_name))
+
+
+class BrokerOpenAPIHandler(APIMixin, APIHandler):
+    """``GET api/gpusched/openapi.json``: the document with the broker's own operations."""
+
+    async def get(self) -> None:
+        self.reply(openapi_document(broker=True))
 
 
 class NotFoundHandler(APIHandler):
@@ -307,6 +347,9 @@ def broker_handlers(app: Any) -> list[tuple]:
     api = p + routes.API_PATH
     kw = {"app": app}
     return [
+        # Before the shared routes: the broker's document lists its own operations too.
+        (api + routes.OPENAPI, BrokerOpenAPIHandler, kw),
+        (api + routes.NODE, NodeHandler, kw),
         *api_handlers(APIHandler, api, **kw),
         (api + routes.KERNEL_ENDED, KernelEndedHandler, kw),
         (api + routes.EVENTS, EventsSocket, kw),

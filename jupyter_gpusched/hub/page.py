@@ -6,6 +6,10 @@ by servers that stopped sending heartbeats, the connected servers; and can drain
 release. Any other user with access to the service sees the host as the REST API shows it to
 them: their own leases in full, others' as held by "another user".
 
+Beyond one host (one broker per GPU node), a hub admin also sees the cluster view ("Nodes"):
+this node and every other node broker (``GPUBroker.node_brokers``), each with its GPUs, leases
+and queue as its node summary says; a node whose broker does not answer is listed as such.
+
 Every button that changes something (drain, undrain, release) leads to a confirmation page first
 (no JavaScript needed): the change is made only by a POST that carries the page's XSRF token and
 ``confirm=yes``. No page may be framed by another site (``frame-ancestors 'none'``), so a click
@@ -30,7 +34,7 @@ CONTENT_SECURITY_POLICY = "default-src 'none'; style-src 'unsafe-inline'; base-u
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }
-h1 { font-size: 1.4em; } h2 { font-size: 1.1em; margin-top: 1.6em; }
+h1 { font-size: 1.4em; } h2 { font-size: 1.1em; margin-top: 1.6em; } h3 { font-size: 1em; margin-top: 1.2em; }
 table { border-collapse: collapse; margin-top: .4em; }
 th, td { border-bottom: 1px solid #ddd; padding: .3em .7em; text-align: left; font-size: .9em; vertical-align: top; }
 th { background: #f4f4f4; }
@@ -118,13 +122,17 @@ class PageHandler(PageBase):
     async def get(self) -> None:
         who = self.principal()
         status = await self.broker.status(who)
+        # The cluster view is the application's (GPUBroker.cluster); an app without one has none.
+        cluster = getattr(self.app, "cluster", None)
+        nodes = await cluster() if who.admin and cluster is not None else None
         self.set_header("Content-Type", "text/html; charset=utf-8")
-        self.finish(self.render_page(status, who))
+        self.finish(self.render_page(status, who, nodes))
 
-    def render_page(self, status: dict, who: Principal) -> str:
+    def render_page(self, status: dict, who: Principal, nodes: dict | None = None) -> str:
+        node = f"Node <b>{_e(status['node'])}</b>. " if status.get("node") else ""
         parts = [
             "<h1>GPUs of this host</h1>",
-            f"<p class='muted'>Signed in as <b>{_e(who.user)}</b>{' (hub admin)' if who.admin else ''}. "
+            f"<p class='muted'>{node}Signed in as <b>{_e(who.user)}</b>{' (hub admin)' if who.admin else ''}. "
             f"Policy <code>{_e(status.get('policy'))}</code>, {_e(status.get('backend'))} backend"
             f"{(' (' + _e(status.get('backend_note')) + ')') if status.get('backend_note') else ''}. "
             f"Updated {_e(status.get('time'))}, every {REFRESH_SECONDS}s.</p>",
@@ -135,7 +143,56 @@ class PageHandler(PageBase):
         if who.admin:
             parts += self._processes(status)
             parts += self._servers(status)
+        if nodes is not None and (len(nodes.get("nodes", ())) > 1 or nodes.get("error")):
+            parts += self._nodes(nodes)
         return self.html_page("GPUs of this host", "".join(parts), refresh=True)
+
+    def _nodes(self, cluster: dict) -> list[str]:
+        """The cluster view: one row per node, then each node's GPUs and queue."""
+        rows, details = [], []
+        for node in cluster.get("nodes", []):
+            name = _e(node.get("name")) + (" <span class='muted'>(this node)</span>" if node.get("this") else "")
+            where = f"<br><code class='muted'>{_e(node['url'])}</code>" if node.get("url") else ""
+            summary = node.get("summary")
+            if summary is None:
+                rows.append(f"<tr><td>{name}{where}</td><td colspan='5' class='warn'>not answering</td></tr>")
+                continue
+            rows.append(
+                f"<tr><td>{name}{where}</td><td>{_e(summary.get('gpus'))}</td><td>{_e(summary.get('free'))}</td>"
+                f"<td>{_e(summary.get('reclaimable'))}</td><td>{_e(summary.get('leases'))}</td>"
+                f"<td>{_e(summary.get('pending'))}</td></tr>"
+            )
+            details += self._node_detail(node.get("name"), summary)
+        if not rows:
+            rows.append("<tr><td colspan='6' class='muted'>no nodes</td></tr>")
+        error = cluster.get("error")
+        note = f"<p class='warn'>The other nodes could not be listed: {_e(error)}</p>" if error else ""
+        return [
+            "<h2>Nodes</h2>", note,
+            "<table><tr><th>node</th><th>GPUs</th><th>free</th><th>reclaimable</th><th>leases</th>"
+            "<th>waiting</th></tr>",
+            *rows,
+            "</table>",
+            *details,
+        ]
+
+    def _node_detail(self, name: Any, summary: dict) -> list[str]:
+        gpus = [
+            f"<tr><td>{_e(d.get('index'))}</td><td>{_e(d.get('name'))}</td><td>{_bytes(d.get('memory_total'))}</td>"
+            f"<td class='{'ok' if d.get('health') == 'ok' else 'warn'}'>{_e(d.get('health'))}</td>"
+            f"<td>{_e(d.get('state'))}</td><td>{_e(', '.join(d.get('users') or ())) or '-'}</td></tr>"
+            for d in summary.get("devices", [])
+        ] or ["<tr><td colspan='6' class='muted'>no GPUs</td></tr>"]
+        queue = ", ".join(
+            f"{_e(q.get('user'))} ({_e(q.get('count'))} GPU{'s' if q.get('count') != 1 else ''})"
+            for q in summary.get("queue", [])
+        ) or "<span class='muted'>nobody waits</span>"
+        return [
+            f"<h3>{_e(name)}</h3><table><tr><th>#</th><th>GPU</th><th>memory</th><th>health</th>"
+            "<th>state</th><th>held by</th></tr>",
+            *gpus,
+            f"</table><p>Queue: {queue}</p>",
+        ]
 
     def _devices(self, status: dict, who: Principal) -> list[str]:
         rows = []

@@ -12,8 +12,11 @@ import logging
 from typing import Any
 
 from ..api.events import latest, shape
-from ..api.views import Principal
-from ..arbiter import ArbiterEvent, LocalArbiter
+from ..api.views import Principal, iso
+from ..arbiter import ArbiterEvent, HubPolicy, LocalArbiter
+from ..core import Lease, LeaseState
+from ..core.forecast import SAME_USER, forecast
+from ..core.placement import schedulable
 from .remote import RemoteKernels
 
 log = logging.getLogger("jupyter_gpusched.broker")
@@ -48,6 +51,10 @@ class Broker:
 
     async def release(self, who: Principal, lease_id: str) -> None:
         await self.arbiter.release(who, lease_id)
+
+    def node_summary(self, node: str) -> dict:
+        """This node's GPUs, leases and queue in brief (``GET api/gpusched/node``)."""
+        return node_summary(self.arbiter, node)
 
     async def kernel_ended(self, who: Principal, kernel_id: str, reason: str) -> None:
         """A server says one of its kernels ended: its leases are released now."""
@@ -129,3 +136,95 @@ def _gpu_use(snapshot) -> dict[int, float | None]:
             if util is not None or proc.pid not in out:
                 out[proc.pid] = max(util, out.get(proc.pid) or 0.0) if util is not None else out.get(proc.pid)
     return out
+
+
+class BrokerPolicy(HubPolicy):
+    """The hub's rules, and the name of the node this broker schedules in every status."""
+
+    def __init__(self, kernels: Any, node: str) -> None:
+        super().__init__(kernels)
+        self.node = node
+
+    def status_extras(self, who: Principal, status: dict) -> dict:
+        status = super().status_extras(who, status)
+        status["node"] = self.node
+        return status
+
+
+def node_summary(arbiter: LocalArbiter, node: str) -> dict:
+    """The node's GPUs, leases and queue in brief, as the hub's spawn hook and the cluster view
+    read them (``GET api/gpusched/node``; fields in the OpenAPI document).
+
+    A GPU is *free* when it can be scheduled and no lease holds it, *reclaimable* when every
+    lease on it can be taken back for another user's claim: an idle lease the reclaim ladder
+    takes when someone else waits (borrowed capacity, or the dynamic policy) or takes anyway,
+    or a lease already being reclaimed. The same rules as the scheduler's, read through the idle
+    forecast of :mod:`jupyter_gpusched.core.forecast`.
+    """
+    ctx = arbiter.view_context()
+    live = [lease for lease in ctx.leases if lease.live]
+    usable = {d.uuid for d in schedulable(ctx.devices)}
+    holders: dict[str, list[Lease]] = {}
+    for lease in live:
+        if lease.holding:
+            for uuid in lease.devices:
+                holders.setdefault(uuid, []).append(lease)
+    takes_back: dict[str, bool] = {}
+
+    def reclaimable(lease: Lease) -> bool:
+        if lease.id not in takes_back:
+            if lease.state == LeaseState.RECLAIMING:
+                takes_back[lease.id] = True
+            elif lease.state != LeaseState.IDLE or ctx.cfg is None:
+                takes_back[lease.id] = False
+            else:
+                ahead = forecast(lease, live, ctx.now, ctx.cfg, ctx.caps, ctx.devices)
+                takes_back[lease.id] = (
+                    ahead is not None and ahead.step is not None and ahead.contended_at is not None
+                    and ahead.contended_by != SAME_USER
+                )
+        return takes_back[lease.id]
+
+    devices = []
+    free = reclaimable_gpus = 0
+    for device in sorted(ctx.devices, key=lambda d: d.index):
+        held = holders.get(device.uuid, [])
+        if device.uuid not in usable:
+            state = "unavailable"
+        elif not held:
+            state = "free"
+            free += 1
+        elif all(reclaimable(lease) for lease in held):
+            state = "reclaimable"
+            reclaimable_gpus += 1
+        else:
+            state = "held"
+        devices.append(
+            {
+                "index": device.index,
+                "uuid": device.uuid,
+                "name": device.name,
+                "memory_total": device.memory_total,
+                "health": str(device.health),
+                "state": state,
+                "users": sorted({lease.user for lease in held}),
+            }
+        )
+    by_id = {lease.id: lease for lease in live}
+    waiting = [by_id[lid] for lid in arbiter.state.queue if lid in by_id and by_id[lid].waiting]
+    return {
+        "node": node,
+        "time": iso(ctx.now),
+        "policy": arbiter.cfg.policy,
+        "backend": arbiter.backend_name,
+        "gpus": len(usable),
+        "free": free,
+        "reclaimable": reclaimable_gpus,
+        "pending": len(waiting),
+        "leases": sum(1 for lease in live if lease.holding),
+        "devices": devices,
+        "queue": [
+            {"position": n, "user": lease.user, "count": lease.count, "waiting_since": iso(lease.queued_at)}
+            for n, lease in enumerate(waiting, start=1)
+        ],
+    }

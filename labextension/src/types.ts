@@ -183,6 +183,8 @@ export interface IStatusPayload {
   config?: ISchedulerConfig;
   /** The server's clock when the status was taken, seconds since the epoch. */
   time?: number;
+  /** Hub broker: the node (host) whose GPUs it schedules. */
+  node?: string;
 }
 
 /** The status as the client keeps it: the payload with a normalized queue. */
