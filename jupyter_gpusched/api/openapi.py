@@ -103,6 +103,38 @@ _ID_PATTERN = f"^{api_input.ID_REGEX}$"
 #: GPU and MIG UUIDs as the routes take them (``routes.DEVICE_UUID``).
 _UUID_PATTERN = "^[A-Za-z0-9_/-]{1,128}$"
 
+#: A GPU process outside every lease, as ``Status.unleased_processes`` lists it.
+_UNLEASED = {
+    "type": "object",
+    "description": (
+        "A GPU process no lease covers: not a kernel's, or a kernel's on a GPU its lease does not hold. "
+        "The hub broker names the server it runs under where it can tell."
+    ),
+    "required": ["pid", "device", "memory_used"],
+    "properties": {
+        "pid": {"type": "integer", "description": "the host's process id, as the GPU driver reports it"},
+        "device": {"type": "string", "description": "the GPU's UUID"},
+        "memory_used": {"type": ["integer", "null"], "description": "bytes; null where the driver does not say"},
+        "kernel_id": {"type": ["string", "null"], "description": "the kernel whose process it is, where it is one"},
+        "unix_user": {"type": ["string", "null"], "description": "hub broker: the Unix user it runs as"},
+        "server_id": {
+            "type": ["string", "null"],
+            "description": (
+                "hub broker: the single-user server it runs under (in a kernel's process tree, below the "
+                "server's process, or in the PID namespace of a server's container); null: none known"
+            ),
+        },
+        "user": {"type": ["string", "null"], "description": "hub broker: that server's hub user"},
+        "pod": {
+            "type": ["string", "null"],
+            "description": (
+                "hub broker: the host name that server reported when it runs in a PID namespace of its "
+                "own (in Kubernetes, the pod's name); null for a server in the broker's namespace"
+            ),
+        },
+    },
+}
+
 SCHEMAS = {
     "Error": {
         "type": "object",
@@ -245,6 +277,11 @@ SCHEMAS = {
             "devices": {"type": "array", "items": {"$ref": "#/components/schemas/Device"}},
             "leases": {"type": "array", "items": _LEASE},
             "queue": {"type": "array", "items": {"$ref": "#/components/schemas/QueueEntry"}},
+            "unleased_processes": {
+                "type": "array",
+                "items": _UNLEASED,
+                "description": "GPU processes outside every lease (admins only; empty for others)",
+            },
             "node": {"type": "string", "description": "hub broker only: the node (host) whose GPUs it schedules"},
         },
     },

@@ -11,8 +11,13 @@ TOKEN_HEADER = "X-GPUSched-Token"
 KERNEL_HEADER = "X-GPUSched-Kernel"
 #: Broker: the single-user server a call comes from.
 SERVER_HEADER = "X-GPUSched-Server"
-#: Broker: the process id of the single-user server that connects.
+#: Broker: the process id of the single-user server that connects, in its own PID namespace.
 PID_HEADER = "X-GPUSched-Pid"
+#: Broker: that PID namespace (the inode of the server's ``/proc/self/ns/pid``); the pid above and
+#: the kernels' pids in its heartbeats are read in it. Absent: the broker's own namespace.
+PIDNS_HEADER = "X-GPUSched-PidNS"
+#: Broker: the single-user server's host name (in a Kubernetes pod, the pod's name).
+HOST_HEADER = "X-GPUSched-Host"
 
 LEASE_ID = r"(?P<lease_id>[A-Za-z0-9_\-]{1,128})"
 KERNEL_ID = r"(?P<kernel_id>[A-Za-z0-9_\-]{1,128})"

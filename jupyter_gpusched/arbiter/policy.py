@@ -104,7 +104,9 @@ class HubPolicy(AccessPolicy):
 
     def status_extras(self, who: Principal, status: dict) -> dict:
         if who.admin:
-            status["unleased_processes"] = [_with_unix_user(p) for p in status.get("unleased_processes", [])]
+            status["unleased_processes"] = [
+                {**_with_unix_user(p), **self.kernels.owner_of(p["pid"])} for p in status.get("unleased_processes", [])
+            ]
             status["stranded_processes"] = [_with_unix_user(p) for p in self.kernels.stranded()]
             status["servers"] = self.kernels.servers()
         return status

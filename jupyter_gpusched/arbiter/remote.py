@@ -5,7 +5,8 @@ as they talk to a ``LocalArbiter``; it forwards each call to the hub's GPU broke
 with the server's own ``JUPYTERHUB_API_TOKEN`` (so the broker knows the user, their groups and
 whether they are a hub admin), and a kernel's token narrows a call to that kernel's lease
 (``X-GPUSched-Kernel``). The server keeps one websocket open to the broker: it sends a heartbeat
-every few seconds (its kernels, whether each executes, their process ids), receives events shaped
+every few seconds (its kernels, whether each executes, their process ids, as this server sees them
+in its PID namespace, which it names when it connects), receives events shaped
 for its user, and carries out the restarts and shutdowns the broker orders on its kernels. If the
 broker goes away the server keeps trying to reconnect, with backoff.
 """
@@ -16,6 +17,7 @@ import asyncio
 import json
 import logging
 import os
+import socket
 import time
 import urllib.parse
 from typing import Any
@@ -23,7 +25,8 @@ from typing import Any
 from tornado import httputil, websocket
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 
-from ..api.routes import KERNEL_HEADER, PID_HEADER, SERVER_HEADER
+from .. import procs
+from ..api.routes import HOST_HEADER, KERNEL_HEADER, PID_HEADER, PIDNS_HEADER, SERVER_HEADER
 from ..api.input import Claim
 from ..api.views import Principal, ViewContext, device_json, lease_json
 from ..core import Lease, LeaseState
@@ -150,8 +153,14 @@ class BrokerClient(Arbiter):
         headers = {
             "Authorization": f"token {self.token}",
             SERVER_HEADER: self.server_id,
+            # This process and its kernels as they know themselves (in a container, pids of its
+            # own PID namespace); the broker maps them to the host's.
             PID_HEADER: str(os.getpid()),
+            HOST_HEADER: socket.gethostname(),
         }
+        pid_ns = procs.own_pid_namespace()
+        if pid_ns:
+            headers[PIDNS_HEADER] = str(pid_ns)
         if who is not None and who.kernel_id:
             headers[KERNEL_HEADER] = who.kernel_id
         return headers

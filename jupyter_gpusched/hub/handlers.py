@@ -14,6 +14,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import uuid as uuidlib
 from typing import Any
 
@@ -26,7 +27,7 @@ from ..api import routes
 from ..api.handlers import APIMixin, api_handlers, arbiter_errors
 from ..api.openapi import openapi_document
 from ..api.input import bad_input
-from ..api.routes import KERNEL_HEADER, PID_HEADER, SERVER_HEADER
+from ..api.routes import HOST_HEADER, KERNEL_HEADER, PID_HEADER, PIDNS_HEADER, SERVER_HEADER
 from ..api.views import Principal
 from .remote import ID_PATTERN, HeartbeatError
 from ..arbiter import LocalArbiter
@@ -36,6 +37,18 @@ log = logging.getLogger("jupyter_gpusched.broker")
 
 #: The longest a server has to carry out a restart or shutdown order.
 ORDER_TIMEOUT = 120.0
+#: A host name a server may report (a pod's name is a DNS subdomain: at most 253 characters).
+HOSTNAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.\-]{0,251}[A-Za-z0-9])?")
+#: The longest reason a websocket close frame carries (bytes).
+CLOSE_REASON = 123
+
+
+def _close_reason(text: str) -> str:
+    """``text`` cut to fit a close frame (the full text goes to the log)."""
+    data = text.encode()
+    if len(data) <= CLOSE_REASON:
+        return text
+    return data[: CLOSE_REASON - 3].decode(errors="ignore") + "..."
 
 
 class _Hub:
@@ -256,28 +269,49 @@ class ServerSocket(_Socket):
         if who.kernel_id is not None or not server_id:
             self.close(4400, f"a server names itself in {SERVER_HEADER}")
             return
+        headers = self.request.headers
         try:
-            pid = int(self.request.headers.get(PID_HEADER) or 0) or None
+            ns_pid = int(headers.get(PID_HEADER) or 0) or None
         except ValueError:
-            pid = None
-        if pid is None or pid <= 1:
+            ns_pid = None
+        # In a container the server knows itself by the pid of its PID namespace (it may be 1);
+        # in the broker's own namespace no pid below 2 is a server.
+        if ns_pid is None or ns_pid < 1 or ns_pid > 2**31:
+            self.close(4400, f"a server names its own process id in {PID_HEADER}")
+            return
+        try:
+            pid_ns = int(headers.get(PIDNS_HEADER) or 0) or None
+        except ValueError:
+            pid_ns = -1
+        if pid_ns is not None and not 0 < pid_ns < 2**64:
+            self.close(4400, f"{PIDNS_HEADER} is the inode of the server's /proc/self/ns/pid, a number")
+            return
+        hostname = headers.get(HOST_HEADER) or None
+        if hostname is not None and not HOSTNAME.fullmatch(hostname):
+            self.close(4400, f"{HOST_HEADER} is a host name of letters, digits, '.' and '-'")
+            return
+        kernels = self.broker.kernels
+        if kernels.own_namespace(pid_ns) and ns_pid <= 1:
             self.close(4400, f"a server names its own process id in {PID_HEADER}")
             return
         started: float | None
-        if self.app.verify_server_processes:
-            try:
-                started = procs.check_server_process(pid, who.user, self.token)
-            except procs.NotTheirs as exc:
-                log.warning("refused a server connection of %s (server id %s): %s", who.user, server_id, exc)
-                self.close(4403, f"refused: {exc}")
-                return
-        else:
-            started = procs.started(pid)
-            if started is None:
-                self.close(4403, f"refused: process {pid} does not run here")
-                return
         try:
-            self.broker.kernels.connect(server_id, who.user, pid, self, pid_started=started)
+            # Everything below is checked on the broker's (host) pid of the process named.
+            pid = kernels.server_process(ns_pid, pid_ns)
+            if self.app.verify_server_processes:
+                started = procs.check_server_process(pid, who.user, self.token)
+            else:
+                started = procs.started(pid)
+                if started is None:
+                    raise procs.NotTheirs(f"process {pid} does not run here")
+        except procs.NotTheirs as exc:
+            log.warning("refused a server connection of %s (server id %s): %s", who.user, server_id, exc)
+            self.close(4403, _close_reason(f"refused: {exc}"))
+            return
+        try:
+            kernels.connect(
+                server_id, who.user, pid, self, pid_started=started, pid_ns=pid_ns, ns_pid=ns_pid, hostname=hostname
+            )
         except PermissionError as exc:
             log.warning("refused a server connection of %s (server id %s): %s", who.user, server_id, exc)
             self.close(4403, str(exc)[:120])

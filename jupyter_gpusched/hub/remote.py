@@ -15,6 +15,12 @@ processes are seen using CPU or a GPU, and for at most ``max_busy_without_gpu`` 
 the GPU. What one user can make the broker hold is bounded: servers per user, kernels per server,
 processes per kernel, and a server that stopped talking is forgotten after ``heartbeat_timeout``.
 
+Servers in containers (Kubernetes pods) know their processes by the pids of their own PID
+namespace, which they name when they connect; NVML and this broker (run with ``hostPID``) see host
+pids. The server's pid and its kernels' pids are mapped to host pids before anything is checked
+(:class:`~jupyter_gpusched.procs.PidNamespaces`), and everything here holds host pids. GPU processes
+outside every lease are attributed to the server (and pod) they run under (:meth:`owner_of`).
+
 A kernel belongs to the hub user whose server reported it (or claimed a GPU for it) first; a
 kernel id never changes hands. A server that falls silent keeps its leases while its kernels'
 processes live; once it has been silent for ``heartbeat_timeout`` seconds its kernels count as
@@ -71,8 +77,10 @@ class RemoteKernel:
     busy: bool = False
     last_busy_at: float | None = None
     started_at: float | None = None
-    #: The kernel's process, once checked to descend from its server's process.
+    #: The kernel's process (host pid), once checked to descend from its server's process.
     pid: int | None = None
+    #: The pid its server reported for it, in the server's PID namespace.
+    reported_pid: int | None = None
     pid_started: float | None = None
     #: The kernel's process and its descendants, as the broker found them.
     tree: frozenset[int] = frozenset()
@@ -95,8 +103,14 @@ class RemoteServer:
     server_id: str
     user: str
     last_seen: float
+    #: The server's process, as the broker sees it (host pid).
     pid: int | None = None
     pid_started: float | None = None
+    #: The server's PID namespace when it is not the broker's (a container's), and its pid there.
+    pid_ns: int | None = None
+    ns_pid: int | None = None
+    #: The host name it reported (in a Kubernetes pod, the pod's name).
+    hostname: str | None = None
     connection: Connection | None = None
     connected_at: float | None = None
     kernels: dict[str, RemoteKernel] = field(default_factory=dict)
@@ -189,6 +203,7 @@ class RemoteKernels:
         max_kernels_per_server: int = MAX_KERNELS,
         max_processes_per_kernel: int = MAX_PIDS,
         max_busy_without_gpu: float = 3 * 3600.0,
+        namespaces: procs.PidNamespaces | None = None,
     ) -> None:
         #: The broker's own id: it owns every lease in its ledger.
         self.server_id = server_id
@@ -203,6 +218,8 @@ class RemoteKernels:
         self.max_kernels_per_server = max_kernels_per_server
         self.max_processes_per_kernel = max_processes_per_kernel
         self.max_busy_without_gpu = max_busy_without_gpu
+        #: Maps pids of the servers' PID namespaces to the broker's.
+        self.namespaces = namespaces or procs.PidNamespaces()
         self._servers: dict[str, RemoteServer] = {}
         self._kernels: dict[str, RemoteKernel] = {}
         self._ended: dict[str, tuple[str, float]] = {}
@@ -218,6 +235,30 @@ class RemoteKernels:
             log.warning(message, *args)
 
     # -- servers ------------------------------------------------------------------------------
+    def own_namespace(self, pid_ns: int | None) -> bool:
+        """Whether a server that names PID namespace ``pid_ns`` (None: none) shares the broker's."""
+        return pid_ns is None or pid_ns == self.namespaces.own
+
+    def server_process(self, pid: int, pid_ns: int | None) -> int:
+        """The broker's (host) pid of the process a server names as ``pid`` of namespace ``pid_ns``.
+
+        ``pid_ns`` None, or the broker's own namespace: ``pid`` itself. Nothing is believed yet:
+        the caller checks the process it gets (:func:`~jupyter_gpusched.procs.check_server_process`).
+
+        Raises:
+            procs.NotTheirs: no such process in that namespace, or ``/proc`` cannot tell (the
+                message says why, such as a broker that does not run with ``hostPID``).
+        """
+        if pid_ns is None or self.own_namespace(pid_ns):
+            return pid
+        try:
+            host = self.namespaces.host_pid(pid_ns, pid)
+        except procs.PidNamespaceError as exc:
+            raise procs.NotTheirs(f"cannot find process {pid} of PID namespace {pid_ns}: {exc}") from None
+        if host is None:
+            raise procs.NotTheirs(self.namespaces.describe_missing(pid_ns, pid))
+        return host
+
     def connect(
         self,
         server_id: str,
@@ -225,12 +266,22 @@ class RemoteKernels:
         pid: int | None,
         connection: Connection,
         pid_started: float | None = None,
+        *,
+        pid_ns: int | None = None,
+        ns_pid: int | None = None,
+        hostname: str | None = None,
     ) -> RemoteServer:
         """A server opened its websocket; ``pid`` is its process, already checked to be ``user``'s.
+
+        ``pid`` is the broker's (host) pid; a server in another PID namespace names it
+        ``pid_ns`` and its pid there ``ns_pid`` (see :meth:`server_process`); the kernel pids
+        of its heartbeats are read in that namespace.
 
         Raises PermissionError if the id is another user's, :class:`TooMany` past the bound on
         servers per user.
         """
+        if self.own_namespace(pid_ns):
+            pid_ns = ns_pid = None
         now = self.clock()
         server = self._servers.get(server_id)
         if server is not None and server.user != user:
@@ -244,16 +295,25 @@ class RemoteKernels:
                 )
         if server is None:
             server = self._servers[server_id] = RemoteServer(server_id, user, now)
-        if server.pid != pid or server.pid_started != pid_started:
+        if server.pid != pid or server.pid_started != pid_started or server.pid_ns != pid_ns:
             # Another process now speaks for this server id: what the old one reported is void.
             for kernel in server.kernels.values():
                 kernel.pid, kernel.pid_started, kernel.tree = None, None, frozenset()
+                kernel.reported_pid = None
         server.connection = connection
         server.connected_at = now
         server.last_seen = now
         server.pid = pid
         server.pid_started = pid_started if pid is not None else None
-        log.info("server %s of %s connected (pid %s)", server_id, user, pid)
+        server.pid_ns, server.ns_pid = pid_ns, ns_pid
+        server.hostname = hostname
+        if pid_ns is None:
+            log.info("server %s of %s connected (pid %s)", server_id, user, pid)
+        else:
+            log.info(
+                "server %s of %s connected (pid %s; pid %s in PID namespace %s of %s)",
+                server_id, user, pid, ns_pid, pid_ns, hostname or "a container",
+            )
         return server
 
     def disconnect(self, server_id: str, connection: Connection) -> None:
@@ -315,6 +375,7 @@ class RemoteKernels:
                     old.kernels.pop(kernel_id, None)
                 kernel.server_id = server_id
                 kernel.pid, kernel.pid_started, kernel.tree = None, None, frozenset()
+                kernel.reported_pid = None
             server.kernels[kernel_id] = kernel
             seen.add(kernel_id)
             problem = self._update(server, kernel, report)
@@ -339,14 +400,37 @@ class RemoteKernels:
             return f"kernel {kernel.kernel_id}: process {pid} ignored: it is not a process of this server"
         return None
 
+    def _host_pid(self, server: RemoteServer, kernel: RemoteKernel, pid: int) -> tuple[int | None, str | None]:
+        """The host pid of kernel process ``pid`` as its server reported it (in its namespace),
+        or None and why not."""
+        if server.pid_ns is None:
+            return pid, None
+        if (
+            pid == kernel.reported_pid
+            and kernel.pid is not None
+            and kernel.pid_started is not None
+            and procs.same_process(kernel.pid, kernel.pid_started)
+        ):
+            return kernel.pid, None  # mapped before: the same process still
+        try:
+            host = self.namespaces.host_pid(server.pid_ns, pid)
+        except procs.PidNamespaceError as exc:
+            return None, f"kernel {kernel.kernel_id}: process {pid} ignored: {exc}"
+        if host is None:
+            why = self.namespaces.describe_missing(server.pid_ns, pid)
+            return None, f"kernel {kernel.kernel_id}: process {pid} ignored: {why} (the server's)"
+        return host, None
+
     def _update(self, server: RemoteServer, kernel: RemoteKernel, report: Mapping[str, Any]) -> str | None:
         problem = None
-        pid = report["pid"]
+        reported = pid = report["pid"]
         if pid is not None:
-            problem = self._check_pid(server, kernel, pid)
+            pid, problem = self._host_pid(server, kernel, pid)
+            if pid is not None:
+                problem = self._check_pid(server, kernel, pid)
             if problem is not None:
                 self._warn_once(
-                    f"pid:{server.server_id}:{kernel.kernel_id}:{pid}",
+                    f"pid:{server.server_id}:{kernel.kernel_id}:{reported}",
                     "server %s of %s: %s", server.server_id, server.user, problem,
                 )
                 pid = None
@@ -364,6 +448,7 @@ class RemoteKernels:
         kernel.last_busy_at = last
         kernel.started_at = report["started_at"]
         kernel.pid = pid
+        kernel.reported_pid = reported if pid is not None else None
         kernel.notebook = report["notebook"]
         kernel.restarting = report["restarting"]
         return problem
@@ -471,12 +556,50 @@ class RemoteKernels:
                     "server_id": server.server_id,
                     "user": server.user,
                     "pid": server.pid,
+                    "pod": self._pod(server),
                     "connected": self._connected(server, now),
                     "silent_seconds": round(self._silent_for(server, now), 1),
                     "kernels": sorted(server.kernels),
                 }
             )
         return out
+
+    @staticmethod
+    def _pod(server: RemoteServer) -> str | None:
+        """The pod (container) a server runs in: its host name, for a server in a PID namespace
+        of its own; None for one that shares the broker's."""
+        return server.hostname if server.pid_ns is not None else None
+
+    def owner_of(self, pid: int) -> dict[str, str | None]:
+        """The server a host process runs under: ``server_id``, ``user``, ``pod`` (None: unknown).
+
+        A process belongs to a server when it is in one of its kernels' trees, descends from the
+        server's process, or lives in the PID namespace of a server in a namespace of its own (a
+        process of its pod).
+        """
+        for kernel in self._kernels.values():
+            if pid in kernel.all_pids():
+                server = self._servers.get(kernel.server_id)
+                if server is not None:
+                    return self._owner_fields(server)
+        by_pid = {server.pid: server for server in self._servers.values() if server.pid is not None}
+        for candidate in [pid, *procs.ancestors(pid)]:
+            server = by_pid.get(candidate)
+            if server is not None and procs.same_process(candidate, server.pid_started):
+                return self._owner_fields(server)
+        pods = [server for server in self._servers.values() if server.pid_ns is not None]
+        if pods:
+            try:
+                ns = procs.pid_namespace(pid)
+            except (ProcessLookupError, procs.PidNamespaceError):
+                ns = None
+            for server in sorted(pods, key=lambda s: -(s.connected_at or 0.0)):
+                if server.pid_ns == ns:
+                    return self._owner_fields(server)
+        return {"server_id": None, "user": None, "pod": None}
+
+    def _owner_fields(self, server: RemoteServer) -> dict[str, str | None]:
+        return {"server_id": server.server_id, "user": server.user, "pod": self._pod(server)}
 
     def stranded(self) -> list[dict]:
         """GPU processes of kernels whose server fell silent: left behind, for the admin to see."""

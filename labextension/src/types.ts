@@ -32,6 +32,25 @@ export interface IDeviceProcess {
   kernel_id: string | null;
 }
 
+/** A GPU process outside every lease (`Status.unleased_processes`, for admins). */
+export interface IUnleasedProcess {
+  /** The host's process id, as the GPU driver reports it. */
+  pid: number;
+  /** The GPU's UUID. */
+  device: string;
+  memory_used: number | null;
+  /** The kernel it belongs to, where it is a kernel's process on a GPU it holds no lease for. */
+  kernel_id?: string | null;
+  /** Hub broker: the Unix user it runs as. */
+  unix_user?: string | null;
+  /** Hub broker: the single-user server it runs under, `null` where none is known. */
+  server_id?: string | null;
+  /** Hub broker: that server's hub user. */
+  user?: string | null;
+  /** Hub broker: the pod (host name) of a server in a PID namespace of its own. */
+  pod?: string | null;
+}
+
 /** A schedulable GPU: a physical GPU or a MIG instance, keyed by UUID. */
 export interface IDevice {
   uuid: string;
@@ -174,6 +193,8 @@ export interface IStatusPayload {
   devices: IDevice[];
   leases: ILease[];
   queue: Array<IQueueEntryPayload | string>;
+  /** GPU processes outside every lease (empty unless the user is an admin). */
+  unleased_processes?: IUnleasedProcess[];
   checkpoint?: ICheckpointInfo;
   /** The user this server answers for. */
   user?: string;
