@@ -24,7 +24,7 @@ from ..api.input import Claim
 from ..api.views import Principal
 from ..core import Capabilities, KernelActivity, Lease, LeaseState, SchedConfig
 from ..devices.base import DeviceBackend, DeviceSnapshot, InventoryUnavailable
-from ..ledger import Ledger, LedgerError, OwnerId, is_alive
+from ..ledger import Ledger, LedgerError, LedgerWouldBlock, OwnerId, is_alive
 from ..reclaim.checkpoint import Checkpointer, Unavailable
 from ..reclaim import executor as reclaim_executor
 from . import enforce
@@ -171,6 +171,7 @@ class LocalArbiter(LocalReads, Arbiter):
         async with self._tick_lock:
             snap = await self._refresh_devices()
             seen = await self._observe(snap)
+            # A worker thread: the tick reaps, which reads each lease owner's process.
             planned = await asyncio.to_thread(self._plan_tx, seen.activity, None)
             await self._apply(planned)
             await self.reclaims.expire_cache_requests()
@@ -183,7 +184,7 @@ class LocalArbiter(LocalReads, Arbiter):
     async def replan(self) -> core.Plan:
         """A scheduling pass on what the last tick saw (after a release, say): no device scan."""
         async with self._tick_lock:
-            planned = await asyncio.to_thread(self._plan_tx, self._activity, None)
+            planned = await self._tx(self._plan_tx, self._activity, None)
             await self._apply(planned)
             return planned.plan
 
@@ -221,20 +222,37 @@ class LocalArbiter(LocalReads, Arbiter):
         self._activity = seen.activity
         return seen
 
+    async def _tx(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn``, one short ledger transaction, on the event loop when the ledger's write
+        lock is free at once (the common case: no thread hand-off, no wait for the interpreter
+        lock); in a worker thread when another thread or process holds it. ``fn`` takes
+        ``wait`` and does nothing before its transaction begins."""
+        try:
+            return fn(*args, wait=False, **kwargs)
+        except LedgerWouldBlock:
+            return await asyncio.to_thread(fn, *args, wait=True, **kwargs)
+
     def _plan_tx(
         self,
         activity: Mapping[str, KernelActivity],
         change: Callable[[Any, list[Lease], list[core.Device]], Any] | None,
+        *,
+        reap: bool = True,
+        wait: bool = True,
     ) -> _Planned:
-        """One transaction (in a worker thread): reap the dead, apply ``change``, plan, persist."""
+        """One transaction: reap the dead (unless ``reap`` is False: claims leave that to the
+        tick), apply ``change``, plan, persist. It returns what the event loop then applies."""
         notices: list[dict | ArbiterEvent] = []
-        with self.ledger.transaction(self.clock()) as tx:
+        with self.ledger.transaction(self.clock(), wait=wait) as tx:
             now = tx.now
             drained = tx.drained()
             devices = [d.to_core(drained=d.uuid in drained) for d in self.state.snapshot]
             leases = tx.leases()
             before = {lease.id: lease for lease in leases}
-            leases, released, suspects = self._reap(tx, leases, now, devices, notices)
+            if reap:
+                leases, released, suspects = self._reap(tx, leases, now, devices, notices)
+            else:
+                released, suspects = [], set(self._suspects)
             leases = self._resume_running(tx, leases, activity, now)
             outcome = change(tx, leases, devices) if change is not None else None
             if outcome is not None:
@@ -451,7 +469,7 @@ class LocalArbiter(LocalReads, Arbiter):
 
     async def update(self, lease: Lease, fn: Callable[[Lease, float], Lease | None]) -> Lease | None:
         """Re-read ``lease`` under the write lock and write ``fn(lease)`` if it still applies."""
-        new = await asyncio.to_thread(self._write, lease.id, fn)
+        new = await self._tx(self._write, lease.id, fn)
         self._remember(new)
         if new is not None:
             self.state.leases = tuple(new if le.id == new.id else le for le in self.state.leases if new.live or le.id != new.id)
@@ -459,8 +477,8 @@ class LocalArbiter(LocalReads, Arbiter):
             self.wake(new.id)
         return new
 
-    def _write(self, lease_id: str, fn: Callable[[Lease, float], Lease | None]) -> Lease | None:
-        with self.ledger.transaction(self.clock()) as tx:
+    def _write(self, lease_id: str, fn: Callable[[Lease, float], Lease | None], *, wait: bool = True) -> Lease | None:
+        with self.ledger.transaction(self.clock(), wait=wait) as tx:
             current = tx.lease(lease_id)
             if current is None:
                 return None
@@ -526,7 +544,7 @@ class LocalArbiter(LocalReads, Arbiter):
                 index = {d.uuid: d.index for d in self.state.snapshot}
                 change = functools.partial(write_claims, [r for r, _ in batch], ClaimHost(self.server_id, index, self.cfg))
                 try:
-                    planned = await asyncio.to_thread(self._plan_tx, self._activity, change)
+                    planned = await self._tx(self._plan_tx, self._activity, change, reap=False)
                 except Exception as exc:  # noqa: BLE001 - every claim of the batch hears why
                     error = LedgerUnavailable(str(exc)) if isinstance(exc, LedgerError) else exc
                     for _, answer in batch:

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from ..procs import START_TIME_TOLERANCE, OwnerId, is_alive
 from .audit import ACQUIRE_KINDS, CLAIM, FREE_KINDS, GRANT, RELEASE, RESTORE, SUSPEND
-from .errors import LedgerBusy, LedgerConflict, LedgerError
+from .errors import LedgerBusy, LedgerConflict, LedgerError, LedgerWouldBlock
 from .rows import LEASE_COLUMNS, Checkpoint, Event, Owner, Pruned
 from .schema import MIGRATIONS, SCHEMA_VERSION
 from .store import ALLOW_SHARED_SETTING, Ledger
@@ -62,6 +62,7 @@ __all__ = [
     "Event",
     "Ledger",
     "LedgerBusy",
+    "LedgerWouldBlock",
     "LedgerConflict",
     "LedgerError",
     "Owner",

@@ -15,6 +15,10 @@ class LedgerBusy(LedgerError):
     """Another process held the ledger's write lock for longer than the busy timeout."""
 
 
+class LedgerWouldBlock(LedgerError):
+    """A transaction asked not to wait found the write lock taken (by a thread or a process)."""
+
+
 class LedgerConflict(LedgerError):
     """A lease was written from a stale read: someone else changed it in between."""
 

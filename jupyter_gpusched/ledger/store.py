@@ -14,7 +14,7 @@ from .. import files
 from ..core import Device, Lease, released
 from ..procs import is_alive
 from .audit import check_history, check_state
-from .errors import LedgerBusy, LedgerError, is_busy
+from .errors import LedgerBusy, LedgerError, LedgerWouldBlock, is_busy
 from .rows import (
     Checkpoint,
     Event,
@@ -205,23 +205,25 @@ class Ledger:
 
     # -- writing ---------------------------------------------------------------------------
     @contextlib.contextmanager
-    def transaction(self, now: float | None = None) -> Iterator[Transaction]:
+    def transaction(self, now: float | None = None, *, wait: bool = True) -> Iterator[Transaction]:
         """A write transaction: commits when the block ends, rolls back if it raises.
 
         Args:
             now: the transaction's time; default: the clock, read once the lock is held.
+            wait: False to fail at once with :class:`LedgerWouldBlock` where another thread or
+                process holds the write lock (an event loop then hands the work to a thread).
 
         Raises:
             LedgerBusy: the write lock stayed taken for ``busy_timeout`` seconds.
+            LedgerWouldBlock: ``wait`` is False and the write lock is taken.
         """
-        with self._lock:
+        if not self._lock.acquire(blocking=wait):
+            raise LedgerWouldBlock(f"GPU ledger {self.path} is being written by another thread")
+        try:
             if self._in_transaction:
                 raise LedgerError("a ledger transaction is already open in this thread; finish it first")
             conn = self._connection()
-            try:
-                conn.execute("BEGIN IMMEDIATE")
-            except sqlite3.Error as exc:
-                raise self._error(exc) from exc
+            self._begin(conn, wait)
             self._in_transaction = True
             tx = Transaction(conn, self._clock() if now is None else now)
             try:
@@ -246,6 +248,25 @@ class Ledger:
                     if conn.in_transaction:
                         conn.execute("ROLLBACK")
                 raise self._error(exc) from exc
+        finally:
+            self._lock.release()
+
+    def _begin(self, conn: sqlite3.Connection, wait: bool) -> None:
+        if wait:
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as exc:
+                raise self._error(exc) from exc
+            return
+        conn.execute("PRAGMA busy_timeout = 0")
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            if is_busy(exc):
+                raise LedgerWouldBlock(f"GPU ledger {self.path} is being written by another process") from None
+            raise self._error(exc) from exc
+        finally:
+            conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
 
     def _error(self, exc: sqlite3.Error) -> LedgerError:
         if is_busy(exc):
