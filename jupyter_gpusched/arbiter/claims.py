@@ -57,7 +57,7 @@ def write_claims(
     out: list[tuple[str, str] | ArbiterError] = []
     for request in requests:
         try:
-            outcome = write_claim(request, host, tx, leases, devices)
+            how, lease = write_claim(request, host, tx, leases, devices)
         except ArbiterError as exc:
             out.append(exc)
             continue
@@ -70,14 +70,16 @@ def write_claims(
         except core.SchedulingError as exc:
             out.append(BadRequest(str(exc)))
             continue
-        out.append(outcome)
-        if outcome[0] == "new":
-            leases = tx.leases()
+        out.append((how, lease.id))
+        # What was written, as the ledger now holds it, without reading every lease again.
+        leases = [le for le in leases if le.id != lease.id]
+        leases.append(lease)
     return out
 
 
-def write_claim(request: ClaimRequest, host: Host, tx, leases: list[Lease], devices: list[core.Device]) -> tuple[str, str]:
-    """``(how, lease_id)``: ``existing``, ``pending`` or ``resume`` for the kernel's lease, or ``new``."""
+def write_claim(request: ClaimRequest, host: Host, tx, leases: list[Lease], devices: list[core.Device]) -> tuple[str, Lease]:
+    """``(how, lease)``: ``existing``, ``pending`` or ``resume`` for the kernel's lease, or ``new``;
+    the lease as written (or as it was, where nothing was written)."""
     ask, who = request.ask, request.who
     mine = [le for le in leases if le.kernel_id == ask.kernel_id and le.live]
     if mine:
@@ -108,10 +110,10 @@ def write_claim(request: ClaimRequest, host: Host, tx, leases: list[Lease], devi
         claim.id, ask.kernel_id, who.user, claim.count,
         f" with {core.format_bytes(ask.memory)} each" if ask.memory else "", claim.mode,
     )
-    return ("new", claim.id)
+    return ("new", claim)
 
 
-def _existing(who: Principal, ask: Claim, lease: Lease, device_index: Mapping[str, int], tx) -> tuple[str, str]:
+def _existing(who: Principal, ask: Claim, lease: Lease, device_index: Mapping[str, int], tx) -> tuple[str, Lease]:
     if lease.user != who.user and not who.admin:
         raise Forbidden(f"kernel {ask.kernel_id} belongs to another user")
     asked = (ask.count, ask.memory, ask.mode)
@@ -127,9 +129,11 @@ def _existing(who: Principal, ask: Claim, lease: Lease, device_index: Mapping[st
             "first (`%gpu release`) to ask for a different one"
         )
     if lease.state == LeaseState.SUSPENDED:
-        tx.put(core.request_resume(lease, tx.now))
-        return ("resume", lease.id)
+        resumed = core.request_resume(lease, tx.now)
+        tx.put(resumed)
+        return ("resume", resumed)
     if lease.holding:
-        tx.put(core.touch(lease, tx.now))
-        return ("existing", lease.id)
-    return ("pending", lease.id)
+        touched = core.touch(lease, tx.now)
+        tx.put(touched)
+        return ("existing", touched)
+    return ("pending", lease)

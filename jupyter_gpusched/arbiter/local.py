@@ -258,8 +258,10 @@ class LocalArbiter(LocalReads, Arbiter):
             if outcome is not None:
                 leases = tx.leases()
             plan = core.plan(devices, leases, activity, now, self.cfg, self.caps)
+            read = {lease.id: lease for lease in leases}
             for lease_id in plan.changed:
-                tx.put(plan.lease(lease_id))
+                # As read in this transaction: no need to read it again.
+                tx.put(plan.lease(lease_id), read.get(lease_id, ...))
             self._own_new_kernels(tx, plan.leases)
         return _Planned(plan, before, notices, dict(drained), tuple(released), frozenset(suspects), outcome)
 
@@ -487,7 +489,7 @@ class LocalArbiter(LocalReads, Arbiter):
                 return None
             if new.version <= current.version:
                 new = replace(new, version=current.version + 1)
-            tx.put(new)
+            tx.put(new, current)
             return new
 
     # -- lookups ---------------------------------------------------------------------------

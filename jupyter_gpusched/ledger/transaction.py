@@ -57,7 +57,7 @@ class Transaction:
         """One lease, or ``None`` if the ledger has no such lease."""
         return select_lease(self._c(), lease_id)
 
-    def put(self, lease: Lease) -> Lease | None:
+    def put(self, lease: Lease, before: Lease | None | object = ...) -> Lease | None:
         """Insert or update ``lease``; return the record it replaced.
 
         Writing a lease whose ``version`` is not above the stored one raises
@@ -65,7 +65,9 @@ class Transaction:
         identical, which writes nothing. Device changes are added to the history.
         """
         conn = self._c()
-        before = select_lease(conn, lease.id)
+        if before is ...:
+            before = select_lease(conn, lease.id)
+        assert before is None or isinstance(before, Lease)
         if before == lease:
             return before
         if before is not None and lease.version <= before.version:

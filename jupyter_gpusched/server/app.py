@@ -56,6 +56,7 @@ class GPUSchedApp(SchedulingConfig, ExtensionApp):
     registry = None
     _stopped = False
     _log_parent = None
+    _log_level_set = False
 
     @default("broker_url")
     def _broker_url_default(self) -> str:
@@ -74,13 +75,28 @@ class GPUSchedApp(SchedulingConfig, ExtensionApp):
         if package_log.parent is not self.log:
             self._log_parent = package_log.parent
             package_log.parent = self.log
+            if package_log.level == logging.NOTSET:
+                # The app's logger passes every level and leaves the choice to its handlers: the
+                # package's debug lines (one per ledger write) would each become a record only to
+                # be dropped. Below ``--log-level`` they are not made at all.
+                package_log.setLevel(self._server_log_level())
+                self._log_level_set = True
 
     def _unwire_logging(self) -> None:
         parent = self._log_parent
         package_log = logging.getLogger(PACKAGE_LOGGER)
         if parent is not None and package_log.parent is self.log:
             package_log.parent = parent
+            if self._log_level_set:
+                package_log.setLevel(logging.NOTSET)
         self._log_parent = None
+        self._log_level_set = False
+
+    def _server_log_level(self) -> int:
+        level = getattr(self.serverapp, "log_level", logging.NOTSET) if self.serverapp is not None else logging.NOTSET
+        if isinstance(level, str):
+            level = logging.getLevelName(level.upper())
+        return level if isinstance(level, int) else logging.NOTSET
 
     def initialize_settings(self) -> None:
         self._wire_logging()
