@@ -52,6 +52,7 @@ class RecordingBroker:
     def __init__(self) -> None:
         self.changes: list[tuple] = []
         self.drained: set[str] = set()
+        self.extra: dict = {}
 
     async def status(self, who):
         devices = [
@@ -70,6 +71,7 @@ class RecordingBroker:
         return {
             "policy": "hybrid", "backend": "simulated", "time": "2025-01-01T00:00:00Z", "devices": devices,
             "leases": [lease], "queue": [], "unleased_processes": [], "stranded_processes": [], "servers": [],
+            **self.extra,
         }
 
     async def drain(self, who, uuid, drained, reason=""):
@@ -193,6 +195,31 @@ def test_a_change_happens_only_after_its_confirmation(path, change, question):
             r = await site.fetch(path, method="POST", form={"_xsrf": xsrf_of(text), "confirm": "yes"})
             assert r.code == 302 and r.headers["Location"] == PREFIX
             assert site.broker.changes == [change]
+
+    run(scenario())
+
+
+def test_a_gpu_process_without_a_lease_names_its_user_server_and_pod():
+    async def scenario():
+        async with Site() as site:
+            site.broker.extra = {
+                "unleased_processes": [
+                    {"pid": 4242, "device": UUID1, "memory_used": 2 << 30, "kernel_id": None, "unix_user": "jovyan",
+                     "server_id": "srv-bob-0123456789", "user": "bob", "pod": "jupyter-bob"},
+                ],
+                "servers": [
+                    {"user": "bob", "server_id": "srv-bob-0123456789", "pid": 7, "pod": "jupyter-bob",
+                     "connected": True, "silent_seconds": 0.5, "kernels": []},
+                ],
+            }
+            r = await site.fetch("")
+            assert r.code == 200
+            text = r.body.decode()
+            unleased = text.split("GPU processes without a lease", 1)[1].split("</table>", 1)[0]
+            assert "<td>4242</td><td>jovyan</td><td>GPU 1</td><td>2.0 GiB</td><td>bob</td>" in unleased
+            assert "<code>srv-bob-0123</code></td><td>jupyter-bob</td>" in unleased
+            servers = text.split("Single-user servers", 1)[1].split("</table>", 1)[0]
+            assert "<td>bob</td><td><code>srv-bob-0123</code></td><td>jupyter-bob</td><td>7</td>" in servers
 
     run(scenario())
 

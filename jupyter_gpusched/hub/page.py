@@ -261,16 +261,19 @@ class PageHandler(PageBase):
         index = {d["uuid"]: d["index"] for d in status.get("devices", [])}
         rows = [
             f"<tr><td>{_e(p['pid'])}</td><td>{_e(p.get('unix_user') or '?')}</td>"
-            f"<td>GPU {_e(index.get(p.get('device'), '?'))}</td><td>{_bytes(p.get('memory_used'))}</td></tr>"
+            f"<td>GPU {_e(index.get(p.get('device'), '?'))}</td><td>{_bytes(p.get('memory_used'))}</td>"
+            f"<td>{_e(p.get('user') or '')}</td><td><code>{_e((p.get('server_id') or '')[:12])}</code></td>"
+            f"<td>{_e(p.get('pod') or '')}</td></tr>"
             for p in status.get("unleased_processes", [])
-        ] or ["<tr><td colspan='4' class='muted'>none</td></tr>"]
+        ] or ["<tr><td colspan='7' class='muted'>none</td></tr>"]
         stranded = [
             f"<tr><td>{_e(p['pid'])}</td><td>{_e(p.get('unix_user') or '?')}</td><td>{_e(p['user'])}</td>"
             f"<td><code>{_e(p['kernel_id'][:12])}</code></td><td><code>{_e(p['server_id'][:12])}</code></td></tr>"
             for p in status.get("stranded_processes", [])
         ] or ["<tr><td colspan='5' class='muted'>none</td></tr>"]
         return [
-            "<h2>GPU processes without a lease</h2><table><tr><th>pid</th><th>Unix user</th><th>GPU</th><th>memory</th></tr>",
+            "<h2>GPU processes without a lease</h2><table><tr><th>pid</th><th>Unix user</th><th>GPU</th><th>memory</th>"
+            "<th>hub user</th><th>server</th><th>pod</th></tr>",
             *rows,
             "</table>",
             "<h2>GPU processes left behind by silent servers</h2><table><tr><th>pid</th><th>Unix user</th>"
@@ -281,13 +284,14 @@ class PageHandler(PageBase):
 
     def _servers(self, status: dict) -> list[str]:
         rows = [
-            f"<tr><td>{_e(s['user'])}</td><td><code>{_e(s['server_id'][:12])}</code></td><td>{_e(s.get('pid'))}</td>"
+            f"<tr><td>{_e(s['user'])}</td><td><code>{_e(s['server_id'][:12])}</code></td><td>{_e(s.get('pod') or '')}</td>"
+            f"<td>{_e(s.get('pid'))}</td>"
             f"<td class='{'ok' if s['connected'] else 'warn'}'>{'connected' if s['connected'] else 'silent'}</td>"
             f"<td>{_e(s['silent_seconds'])}</td><td>{len(s['kernels'])}</td></tr>"
             for s in status.get("servers", [])
-        ] or ["<tr><td colspan='6' class='muted'>none</td></tr>"]
+        ] or ["<tr><td colspan='7' class='muted'>none</td></tr>"]
         return [
-            "<h2>Single-user servers</h2><table><tr><th>user</th><th>server</th><th>pid</th><th>state</th>"
+            "<h2>Single-user servers</h2><table><tr><th>user</th><th>server</th><th>pod</th><th>pid</th><th>state</th>"
             "<th>last heard s ago</th><th>kernels</th></tr>",
             *rows,
             "</table>",
