@@ -7,7 +7,10 @@ Selected by a kernelspec's metadata::
 
 ``bind: lazy`` starts the kernel without GPUs (``CUDA_VISIBLE_DEVICES=""``) and the kernel agent
 binds before the first cell runs; ``bind: launch`` asks before the kernel starts and hands it its
-GPUs in ``CUDA_VISIBLE_DEVICES`` (UUIDs). A restart keeps the lease; a shutdown releases it.
+GPUs in ``CUDA_VISIBLE_DEVICES`` (UUIDs), and for a shared lease its memory share in the
+frameworks' own variables (see ``kernel/limits.py``). A restart keeps the lease; a shutdown
+releases it. Every kernel is told in ``JUPYTER_GPUSCHED_MPS`` whether the server runs MPS daemons
+(``c.GPUSchedApp.mps``) and why not.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from traitlets import Int, Unicode, validate
 from traitlets import TraitError
 
 from .core import SchedulingError, parse_memory
+from .kernel import limits
 
 AGENT_ARG = "--InteractiveShellApp.extra_extensions=jupyter_gpusched.kernel"
 #: How long ``bind: launch`` waits for GPUs before starting the kernel to bind at its first cell.
@@ -95,7 +99,12 @@ class GPUSchedProvisioner(LocalProvisioner):  # type: ignore[misc]
             )
             if reg.sim_state:
                 env["JUPYTER_GPUSCHED_SIM_STATE"] = reg.sim_state
-            devices = await self._devices_for_launch(reg)
+            mps = limits.MpsInfo(**reg.mps.info()) if reg.mps is not None else limits.MpsInfo()
+            env[limits.ENV_MPS] = mps.to_json()
+            lease = await self._lease_for_launch(reg)
+            if lease is not None:
+                devices = tuple(lease["devices"])
+                env.update(await self._limits_env(reg, lease, mps))
         visible = ",".join(devices)
         env["CUDA_VISIBLE_DEVICES"] = visible
         env["NVIDIA_VISIBLE_DEVICES"] = visible or "void"
@@ -107,8 +116,28 @@ class GPUSchedProvisioner(LocalProvisioner):  # type: ignore[misc]
         kwargs["env"] = env
         return await super().pre_launch(**kwargs)
 
-    async def _devices_for_launch(self, reg) -> tuple[str, ...]:
-        """GPUs to start the kernel with: its kept lease after a restart, or a fresh grant."""
+    async def _limits_env(self, reg, lease: dict, mps) -> dict[str, str]:
+        """A shared lease's memory share in the frameworks' variables (empty for any other)."""
+        from .api.views import Principal
+
+        if lease.get("mode") != "shared" or not lease.get("memory"):
+            return {}
+        who = Principal(user=reg.user, kernel_id=self.kernel_id)
+        try:
+            totals = limits.totals_of(await reg.arbiter.devices(who))
+        except Exception as exc:  # noqa: BLE001 - the limits are set without JAX's fraction
+            self.log.warning("kernel %s: the GPUs' memory is unknown for its limits: %s", self.kernel_id, exc)
+            totals = {}
+        found = limits.limits_for(lease, totals, mps)
+        if found is None:
+            return {}
+        env = found.environment()
+        env[limits.ENV_LIMITS_SET] = ",".join(sorted(env))
+        return env
+
+    async def _lease_for_launch(self, reg) -> dict | None:
+        """The lease to start the kernel with (its GPUs, mode and memory): its kept lease after
+        a restart, or a fresh grant."""
         from .arbiter import ArbiterError
         from .api.input import Claim
         from .api.views import Principal
@@ -116,19 +145,19 @@ class GPUSchedProvisioner(LocalProvisioner):  # type: ignore[misc]
         lease = await reg.arbiter.lease_for_kernel(self.kernel_id)
         if lease is not None:
             if lease.holding:
-                return lease.devices
+                return {"devices": list(lease.devices), "mode": lease.mode, "memory": lease.memory}
             if lease.state.value == "suspended":
                 # The checkpointed process is gone with the restart: nothing left to restore.
                 await reg.arbiter.kernel_ended(self.kernel_id, "the kernel restarted while suspended")
         if self.bind != "launch" or self.gpus < 1:
-            return ()
+            return None
         who = Principal(user=reg.user, kernel_id=self.kernel_id)
         try:
             ask = Claim(self.kernel_id, self.gpus, parse_memory(self.memory or None), self.mode, wait=LAUNCH_WAIT)
             result = await reg.arbiter.claim(who, ask)
         except ArbiterError as exc:
             self.log.warning("kernel %s: no GPU at launch: %s", self.kernel_id, exc.message)
-            return ()
+            return None
         if result.status == 202:
             self.log.info(
                 "kernel %s: still waiting for %s GPU(s) (position %s); it will bind at its first cell",
@@ -136,8 +165,8 @@ class GPUSchedProvisioner(LocalProvisioner):  # type: ignore[misc]
                 self.gpus,
                 result.lease.get("position"),
             )
-            return ()
-        return tuple(result.lease["devices"])
+            return None
+        return result.lease
 
     async def post_launch(self, **kwargs: Any) -> None:
         await super().post_launch(**kwargs)

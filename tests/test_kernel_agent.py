@@ -27,6 +27,7 @@ from jupyter_gpusched.kernel import agent as agent_mod
 from jupyter_gpusched.kernel.agent import Agent, CellNotRun
 from jupyter_gpusched.kernel.client import Client, GPUSchedError, NoServerError
 from jupyter_gpusched.kernel.cuda import CudaState
+from jupyter_gpusched.kernel.limits import LIMIT_VARS
 
 KERNEL = "k-0001"
 KERNEL_TOKEN = "kernel-secret"
@@ -183,6 +184,8 @@ class FakeScheduler:
         rest = path[len("api/gpusched/") :]
         if rest == "status" and method == "GET":
             return 200, self.status()
+        if rest == "devices" and method == "GET":
+            return 200, self.status()["devices"]
         if rest == "leases" and method == "GET":
             kid = query.get("kernel_id")
             return 200, [le for le in self.leases.values() if kid is None or le["kernel_id"] == kid]
@@ -336,6 +339,8 @@ def provisioned(server, monkeypatch):
     monkeypatch.setenv("JUPYTER_GPUSCHED_POLL", "60")  # tests drive the watcher by hand
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setenv("NVIDIA_VISIBLE_DEVICES", "")
+    for name in LIMIT_VARS:  # a shared lease's limits, put back as they were after each test
+        monkeypatch.delenv(name, raising=False)
     return server
 
 
@@ -813,14 +818,16 @@ def test_python_api(shell, provisioned, monkeypatch):
 
     lease = gpu.acquire(1, memory="16GiB", mode="shared", wait=None)
     assert lease["state"] == "active" and os.environ["CUDA_VISIBLE_DEVICES"] == UUIDS[0]
-    assert (
-        provisioned.requests[-1][3]["memory"] == 16 * GiB and provisioned.requests[-1][3]["mode"] == "shared"
-    )
+    claim = next(r for r in reversed(provisioned.requests) if r[0] == "POST")
+    assert claim[3]["memory"] == 16 * GiB and claim[3]["mode"] == "shared"
+    # The shared lease's share, where CuPy reads it.
+    assert os.environ["CUPY_GPU_MEMORY_LIMIT"] == str(16 * GiB)
     status = gpu.status()
     assert status["lease"]["id"] == lease["id"] and status["kernel_id"] == KERNEL
     assert status["devices"][0]["lease_ids"] == [lease["id"]]
     assert gpu.keep("10m")["keep_until"]
     assert gpu.release()["state"] == "released"
+    assert "CUPY_GPU_MEMORY_LIMIT" not in os.environ
     with gpu.lease(2) as held:
         assert held["devices"] == UUIDS
         assert os.environ["CUDA_VISIBLE_DEVICES"] == ",".join(UUIDS)

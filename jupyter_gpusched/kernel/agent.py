@@ -7,9 +7,10 @@ executes code in the kernel: the watcher only reads the server and publishes dis
 the kernel never looks busy because of it.
 
 :class:`Agent` wires the parts: :mod:`.settings` (the kernelspec's defaults), :mod:`.binding`
-(``CUDA_VISIBLE_DEVICES``), :mod:`.claims` (acquire, wait, release, keep), :mod:`.hooks` (before
-each cell), :mod:`.watcher` (the polling thread) and :mod:`.notices` (what to say about a change).
-It keeps what they share: the client and the last known lease.
+(``CUDA_VISIBLE_DEVICES``), :mod:`.limits` (a shared lease's memory share), :mod:`.claims`
+(acquire, wait, release, keep), :mod:`.hooks` (before each cell), :mod:`.watcher` (the polling
+thread) and :mod:`.notices` (what to say about a change). It keeps what they share: the client and
+the last known lease.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from .binding import Binding
 from .claims import Claims, WaitCancelled
 from .client import Client, GPUSchedError, NoServerError
 from .hooks import AUTO_RETRY_AFTER, CellNotRun, Hooks
+from .limits import Keeper
 from .output import DisplayFn
 from .output import ipython_display as _ipython_display
 from .output import say as _show
@@ -109,6 +111,7 @@ class Agent:
         self._magics: Any = None
         self.panel_obj: Any = None
 
+        self.limits = Keeper(self)
         self.binding = Binding(self)
         self.claims = Claims(self)
         self.hooks = Hooks(self)
@@ -265,6 +268,7 @@ class Agent:
         status["kernel_id"] = self.client.kernel_id
         status["lease"] = lease if lease and lease.get("state") in LIVE else None
         status["first_cell"] = self._first_cell_claim() if status["lease"] is None else None
+        status["limits"] = self.limits.describe(status["lease"], status.get("devices"))
         return status
 
     def _first_cell_claim(self) -> dict | None:
@@ -306,12 +310,16 @@ class Agent:
         self.shell.ast_transformers.insert(0, self.hooks.gate)
         atexit.register(self.stop_watcher, 1.0)
         self._installed = True
+        if self.limits.set_at_launch:
+            # Before any startup code can import torch.
+            self.limits.install_torch_hook()
         if self.settings.provisioned:
             self.start_watcher()
 
     def uninstall(self) -> None:
         """Undo :meth:`install`: no hook, no magics, no watcher, no panel polling."""
         self.stop_watcher()
+        self.limits.uninstall_torch_hook()
         with contextlib.suppress(Exception):
             atexit.unregister(self.stop_watcher)
         if self.panel_obj is not None:

@@ -2,7 +2,8 @@
 
 CUDA reads the variable once, when it initializes: a kernel is bound by setting it before that,
 and one that initialized CUDA already is told plainly that only a restart moves it (see
-:mod:`.cuda` for how that is found out).
+:mod:`.cuda` for how that is found out). A shared lease's memory share is set at the same moment,
+in the variables the frameworks read when they start (see :mod:`.limits`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class Binding:
         current = os.environ.get("CUDA_VISIBLE_DEVICES")
         if current == want:
             self.bound = want
+            self.agent.limits.apply(lease)
             return None
         if self.warned == want:
             return None
@@ -56,6 +58,7 @@ class Binding:
             os.environ["CUDA_VISIBLE_DEVICES"] = want
             os.environ["NVIDIA_VISIBLE_DEVICES"] = want
             self.bound = want
+            self.agent.limits.apply(lease)
             log.info("bound kernel to %s (lease %s)", want, lease.get("id"))
             if state.loaded:
                 message = (
@@ -69,6 +72,7 @@ class Binding:
         if resumed:
             # The restore moved this process's CUDA context; nothing to change or to explain.
             self.bound = want
+            self.agent.limits.apply(lease)
             return None
         if current is None:
             where = "with every GPU visible"
@@ -86,7 +90,8 @@ class Binding:
         return message
 
     def unbind(self) -> None:
-        """After the lease ended: hide the GPUs again, if CUDA has not started on them."""
+        """After the lease ended: no limits, and the GPUs hidden again if CUDA has not started on them."""
+        self.agent.limits.clear()
         if not self.bound:
             return
         if self.agent.cuda_probe().initialized:

@@ -236,6 +236,10 @@ class Client:
         """``GET api/gpusched/status``."""
         return self.request("GET", "api/gpusched/status")[1]
 
+    def devices(self) -> list[dict]:
+        """``GET api/gpusched/devices``."""
+        return list(self.request("GET", "api/gpusched/devices")[1] or [])
+
     def leases(self, kernel_id: str | None = None) -> list[dict]:
         """``GET api/gpusched/leases[?kernel_id=]``."""
         result = self.request("GET", "api/gpusched/leases", query={"kernel_id": kernel_id})[1]

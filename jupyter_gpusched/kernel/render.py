@@ -340,6 +340,10 @@ def status_report(
     if idle:
         text.append(idle)
         html_parts.append(f"<p>{html.escape(idle)}</p>")
+    limits = status.get("limits") if live else None
+    if limits:
+        text.append(str(limits))
+        html_parts.append(f"<p>{html.escape(str(limits))}</p>")
     mine_in_queue = next((q for q in queue if kernel_id and q.get("kernel_id") == kernel_id), None)
     if mine_in_queue is not None:
         line = f"Queue: position {mine_in_queue.get('position')} of {len(queue)}."

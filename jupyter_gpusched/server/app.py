@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import getpass
 import logging
 import os
@@ -46,6 +47,21 @@ class GPUSchedApp(SchedulingConfig, ExtensionApp):
     def _valid_unleased(self, proposal):
         if proposal["value"] not in ("report", "kill"):
             raise TraitError(f"unleased_processes must be 'report' or 'kill', not {proposal['value']!r}")
+        return proposal["value"]
+
+    mps = Unicode(
+        "auto",
+        help="""NVIDIA MPS for shared leases: 'auto' starts one MPS control daemon per GPU when
+        nvidia-cuda-mps-control is on PATH (pipes and logs under the runtime directory), and a
+        kernel whose shared lease is on one GPU becomes its client, held to its memory share by
+        the driver (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT); 'off' starts none. Without MPS (off, absent,
+        hub mode) shared leases get the frameworks' own memory limits only.""",
+    ).tag(config=True)
+
+    @validate("mps")
+    def _valid_mps(self, proposal):
+        if proposal["value"] not in ("auto", "off"):
+            raise TraitError(f"mps must be 'auto' or 'off', not {proposal['value']!r}")
         return proposal["value"]
 
     show_holders = Bool(True, help="Show who holds each GPU (always true for a single user's server).").tag(
@@ -127,9 +143,35 @@ class GPUSchedApp(SchedulingConfig, ExtensionApp):
                 reg.sim_state = state_path
             self.log.info("GPU scheduler: ledger %s, policy %s", arbiter.ledger.path, self.policy)
         reg.arbiter = arbiter
+        reg.mps = self._make_mps(arbiter)
         registry.install(reg)
         self.registry = reg
         self.settings.update({"gpusched_arbiter": arbiter, "gpusched_registry": reg})
+
+    def _make_mps(self, arbiter):
+        from .mps import MPS
+
+        root = os.path.join(self.serverapp.runtime_dir, "gpusched-mps")
+        return MPS(self.mps, root, hub=bool(self.broker_url), backend=getattr(arbiter, "backend_name", "none"))
+
+    async def _start_mps(self) -> None:
+        mps = self.registry.mps
+        if not mps.wanted:
+            mps.start(())  # says why not, once
+            return
+
+        def gpus() -> list[str]:
+            snap = self.registry.arbiter.backend.snapshot()
+            parents = {d.parent_uuid for d in snap if d.parent_uuid}
+            return [d.uuid for d in snap if d.uuid not in parents]
+
+        try:
+            uuids = await asyncio.to_thread(gpus)
+        except Exception as err:  # noqa: BLE001 - no GPUs to list: no daemons, and kernels are told
+            mps.state, mps.reason = "failed", f"the GPUs could not be listed for MPS: {err}"
+            self.log.warning("GPU scheduler: %s", mps.reason)
+            return
+        await asyncio.to_thread(mps.start, uuids)
 
     def initialize_handlers(self) -> None:
         from .handlers import default_handlers
@@ -142,6 +184,7 @@ class GPUSchedApp(SchedulingConfig, ExtensionApp):
         serverapp.event_logger.add_listener(
             schema_id="https://events.jupyter.org/jupyter_server/kernel_actions/v1", listener=listener
         )
+        await self._start_mps()
         await self.registry.arbiter.start()
 
     async def _on_kernel_action(self, logger, schema_id: str, data: dict) -> None:
@@ -167,5 +210,7 @@ class GPUSchedApp(SchedulingConfig, ExtensionApp):
             pass
         await reg.arbiter.stop()
         reg.arbiter.close()
+        if reg.mps is not None:
+            await asyncio.to_thread(reg.mps.stop)
         registry.install(None)
         self._unwire_logging()

@@ -55,6 +55,8 @@ class Registry:
     url: str = ""
     sim_state: str | None = None
     log: Any = None
+    #: The MPS daemons (``server.mps.MPS``), or None.
+    mps: Any = None
 
 
 _current: Registry | None = None

@@ -1,0 +1,207 @@
+"""MPS control daemons, one per GPU, for the kernels of shared leases (``c.GPUSchedApp.mps``).
+
+A kernel whose shared lease is on one GPU becomes a client of that GPU's MPS control daemon (its
+``CUDA_MPS_PIPE_DIRECTORY``), with ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` set to its share: the
+driver then refuses allocations beyond it. Each daemon is started with ``nvidia-cuda-mps-control
+-d`` and the GPU's UUID in ``CUDA_VISIBLE_DEVICES`` (so clients name the GPU by UUID, as the
+kernel agent does), its pipe and log directories under the server's runtime directory, and
+stopped with ``quit`` on its standard input. The daemon starts an MPS server only when a first
+client connects, so an idle daemon costs nothing on the GPU.
+
+Never in hub mode: an MPS server runs as one Unix user, and the control daemon makes the clients
+of another user wait until that server has no client left; kernels of different users cannot
+share one MPS server. There (and wherever MPS is off or absent) the frameworks' own limits are
+all a shared lease gets, and the kernels are told why (:meth:`MPS.info`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+log = logging.getLogger("jupyter_gpusched.mps")
+
+CONTROL = "nvidia-cuda-mps-control"
+#: What each daemon is given to start or stop, in seconds.
+TIMEOUT = 15.0
+MODES = ("auto", "off")
+
+
+@dataclass(frozen=True)
+class Daemon:
+    """One GPU's control daemon: where its pipes and logs are."""
+
+    uuid: str
+    pipe_directory: str
+    log_directory: str
+
+    def environment(self, base: Mapping[str, str]) -> dict[str, str]:
+        """The daemon's environment: ``base`` with its GPU and its directories."""
+        env = dict(base)
+        env.update(
+            {
+                "CUDA_VISIBLE_DEVICES": self.uuid,
+                "CUDA_MPS_PIPE_DIRECTORY": self.pipe_directory,
+                "CUDA_MPS_LOG_DIRECTORY": self.log_directory,
+            }
+        )
+        return env
+
+    @property
+    def pid_file(self) -> str:
+        return os.path.join(self.pipe_directory, f"{CONTROL}.pid")
+
+
+class MPS:
+    """The server's MPS daemons.
+
+    Args:
+        setting: ``"auto"`` (daemons where ``nvidia-cuda-mps-control`` is on PATH) or ``"off"``.
+        root: the folder for each GPU's pipe and log directories (under the runtime directory).
+        hub: this server asks a hub's broker for GPUs (no MPS then; see the module's docstring).
+        backend: the GPU backend's name (MPS only for real GPUs).
+        which: finds the program on PATH.
+        environ: the environment the daemons start from.
+    """
+
+    def __init__(
+        self,
+        setting: str,
+        root: str,
+        *,
+        hub: bool = False,
+        backend: str = "nvml",
+        which=shutil.which,
+        environ: Mapping[str, str] | None = None,
+    ):
+        self.setting = setting
+        self.root = root
+        self.environ = dict(os.environ if environ is None else environ)
+        self.daemons: dict[str, Daemon] = {}
+        self.control: str | None = None
+        if setting == "off":
+            self.state, self.reason = "off", "MPS is off (c.GPUSchedApp.mps = 'off')"
+        elif hub:
+            self.state = "hub"
+            self.reason = (
+                "no MPS in hub mode: one MPS server cannot serve kernels of different users"
+            )
+        else:
+            self.control = which(CONTROL)
+            if self.control is None:
+                self.state, self.reason = "absent", f"no MPS on this host: {CONTROL} is not on PATH"
+            elif backend != "nvml":
+                self.state, self.reason = "unavailable", f"no MPS for {backend} GPUs"
+                self.control = None
+            else:
+                self.state, self.reason = "starting", "the MPS daemons are starting"
+
+    @property
+    def wanted(self) -> bool:
+        """Whether daemons are to be started (MPS on, its program found, real GPUs)."""
+        return self.control is not None
+
+    def daemon_for(self, uuid: str) -> Daemon:
+        """Where ``uuid``'s daemon keeps its pipes and logs.
+
+        A short digest names each GPU's folder: the pipe directory holds Unix sockets, whose
+        paths must stay under about 100 bytes.
+        """
+        name = hashlib.sha256(uuid.encode()).hexdigest()[:12]
+        base = os.path.join(self.root, name)
+        return Daemon(uuid, os.path.join(base, "pipe"), os.path.join(base, "log"))
+
+    def start_command(self) -> list[str]:
+        return [self.control or CONTROL, "-d"]
+
+    def stop_command(self) -> tuple[list[str], bytes]:
+        """The command and its standard input (``echo quit | nvidia-cuda-mps-control``)."""
+        return [self.control or CONTROL], b"quit\n"
+
+    def running(self, daemon: Daemon) -> bool:
+        """Whether a control daemon already serves ``daemon``'s pipe directory."""
+        try:
+            with open(daemon.pid_file, encoding="ascii") as fh:
+                pid = int(fh.read().strip())
+            os.kill(pid, 0)
+        except (OSError, ValueError):
+            return False
+        return True
+
+    def start(self, uuids: Iterable[str]) -> None:
+        """Start a control daemon for each GPU (blocking: run it off the event loop)."""
+        if not self.wanted:
+            log.info("GPU scheduler: %s; shared leases get the frameworks' own memory limits", self.reason)
+            return
+        failed: list[str] = []
+        for uuid in uuids:
+            daemon = self.daemon_for(uuid)
+            try:
+                for folder in (daemon.pipe_directory, daemon.log_directory):
+                    os.makedirs(folder, mode=0o700, exist_ok=True)
+                if self.running(daemon):
+                    log.info("MPS control daemon for %s already runs (%s)", uuid, daemon.pipe_directory)
+                    self.daemons[uuid] = daemon
+                    continue
+                done = subprocess.run(
+                    self.start_command(),
+                    env=daemon.environment(self.environ),
+                    capture_output=True,
+                    timeout=TIMEOUT,
+                    check=False,
+                )
+            except (OSError, subprocess.SubprocessError) as err:
+                failed.append(f"{uuid}: {err}")
+                continue
+            if done.returncode != 0:
+                said = (done.stderr or done.stdout or b"").decode(errors="replace").strip()
+                failed.append(f"{uuid}: exit {done.returncode}{': ' + said if said else ''}")
+                continue
+            log.info("MPS control daemon started for %s (%s)", uuid, daemon.pipe_directory)
+            self.daemons[uuid] = daemon
+        if failed:
+            log.warning("MPS control daemons failed to start: %s", "; ".join(failed))
+        if self.daemons:
+            self.state = "running"
+            self.reason = f"MPS control daemons for {len(self.daemons)} GPU(s)"
+            if failed:
+                self.reason += f" ({len(failed)} failed to start)"
+        else:
+            self.state = "failed"
+            self.reason = "the MPS control daemons failed to start: " + ("; ".join(failed) or "no GPUs")
+
+    def stop(self) -> None:
+        """Tell each daemon to quit (blocking). Its MPS server ends once its clients have."""
+        command, stdin = self.stop_command()
+        for uuid, daemon in list(self.daemons.items()):
+            try:
+                done = subprocess.run(
+                    command,
+                    input=stdin,
+                    env=daemon.environment(self.environ),
+                    capture_output=True,
+                    timeout=TIMEOUT,
+                    check=False,
+                )
+                if done.returncode != 0:
+                    log.warning("MPS control daemon for %s did not quit: exit %s", uuid, done.returncode)
+            except (OSError, subprocess.SubprocessError) as err:
+                log.warning("MPS control daemon for %s did not quit: %s", uuid, err)
+            self.daemons.pop(uuid, None)
+        if self.state == "running":
+            self.state, self.reason = "stopped", "the MPS control daemons were stopped"
+
+    def info(self) -> dict:
+        """What kernels are told (``JUPYTER_GPUSCHED_MPS``; see ``kernel.limits.MpsInfo``)."""
+        return {
+            "state": self.state,
+            "reason": self.reason,
+            "daemons": {
+                uuid: {"pipe": d.pipe_directory, "log": d.log_directory} for uuid, d in self.daemons.items()
+            },
+        }
