@@ -279,9 +279,26 @@ def test_a_real_mps_control_daemon_starts_and_quits(tmp_path):
         assert mps.state == "running", mps.reason
         daemon = mps.daemons[uuids[0]]
         assert mps.running(daemon)
+        # A client with a 4 GiB share's environment: 3 GiB fit, 2 GiB more do not.
+        limits = L.limits_for(_lease(memory=4 * GiB, devices=uuids), {}, L.MpsInfo(**mps.info()))
+        env = {**os.environ, **limits.environment(), "CUDA_VISIBLE_DEVICES": uuids[0]}
+        done = subprocess.run([sys.executable, "-c", MPS_CLIENT], env=env, capture_output=True, text=True, timeout=120)
+        assert done.stdout.split() == ["0", "2"], (done.stdout, done.stderr)  # 2: CUDA_ERROR_OUT_OF_MEMORY
     finally:
         mps.stop()
-    assert not mps.daemons
+    assert not mps.daemons and not mps.running(daemon)
+
+
+MPS_CLIENT = """
+import ctypes
+cuda = ctypes.CDLL("libcuda.so.1")
+dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+assert cuda.cuInit(0) == 0 and cuda.cuDeviceGet(ctypes.byref(dev), 0) == 0
+assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0 and cuda.cuCtxSetCurrent(ctx) == 0
+a, b = ctypes.c_uint64(), ctypes.c_uint64()
+print(cuda.cuMemAlloc_v2(ctypes.byref(a), ctypes.c_size_t(3 << 30)))
+print(cuda.cuMemAlloc_v2(ctypes.byref(b), ctypes.c_size_t(2 << 30)))
+"""
 
 
 # -- real kernels ---------------------------------------------------------------------------------
