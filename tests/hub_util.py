@@ -104,7 +104,10 @@ class Hub:
         extra_config: str = "",
         example: Path = EXAMPLE,
         log_level: str = "INFO",
+        hub_environment: dict[str, str] | None = None,
     ) -> None:
+        """``environment``: what every single-user server gets (``c.Spawner.environment``);
+        ``hub_environment``: what the hub process itself gets (its config and hooks read it)."""
         self.dir = Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.proxy_port = free_port()
@@ -154,6 +157,7 @@ class Hub:
         self.public_url = f"http://127.0.0.1:{self.proxy_port}/"
         self.hub_api_url = f"http://127.0.0.1:{self.hub_port}/hub/api/"
         self.broker_url = self.public_url + "services/gpusched/"
+        self.hub_environment = dict(hub_environment or {})
         self.proc: subprocess.Popen | None = None
         self.log_path = self.dir / "hub.log"
         self._log = None
@@ -187,6 +191,7 @@ class Hub:
             raise HubError("configurable-http-proxy is not on PATH (npm install -g configurable-http-proxy)")
         env["GPUSCHED_BROKER_URL"] = f"http://127.0.0.1:{self.broker_port}"
         env.pop("JUPYTERHUB_API_TOKEN", None)
+        env.update(self.hub_environment)
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jupyterhub", "-f", str(self.config)],
