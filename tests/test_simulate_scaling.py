@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import random
+import time
 
 import pytest
 
@@ -32,6 +33,28 @@ def test_synthetic_trace_is_reproducible_and_the_oracle_holds_exactly_the_busy_h
     assert all(len(s.cells) == 1 for s in small_trace.sessions)
     result = simulate(small_trace, "oracle", 64)
     assert result.gpu_hours_held == pytest.approx(small_trace.busy_gpu_seconds() / 3600.0, abs=1e-9)
+
+
+def test_replay_cost_grows_linearly_with_the_sessions():
+    """Ten times the sessions at the same density: about ten times the passes and the CPU time.
+
+    Each pass works on the leases under way, not on every session of the trace; a replay whose
+    cost grew with the sessions seen so far would take about a hundred times as long here.
+    """
+
+    def replay(sessions: int, tries: int) -> tuple[float, int]:
+        trace = parse_notebookos(one_cell_trace(sessions, seed=2), source="synthetic")
+        best, passes = float("inf"), 0
+        for _ in range(tries):  # the fastest: a busy machine only ever adds time
+            started = time.process_time()
+            passes = simulate(trace, "hybrid", 512, progress=False).passes
+            best = min(best, time.process_time() - started)
+        return best, passes
+
+    small_cpu, small_passes = replay(300, tries=3)
+    large_cpu, large_passes = replay(3000, tries=1)
+    assert 8 <= large_passes / small_passes <= 12
+    assert large_cpu / small_cpu < 20
 
 
 def test_policies_in_parallel_processes_give_what_one_after_another_gives(small_trace):

@@ -15,7 +15,7 @@ import heapq
 from collections import defaultdict
 from typing import Callable, Iterable, Mapping, Sequence
 
-from .model import Device, Lease, SchedConfig
+from .model import HOLDING, Device, Lease, SchedConfig
 from .placement import schedulable
 
 #: A claim that waited this many times ``backfill_wait`` is served like a claim within quota.
@@ -47,10 +47,12 @@ class Usage:
         self.groups: dict[str, tuple[str, ...]] = {}
         self._quotas = quotas
         self._share = share
+        groups, held = self.groups, self.held
         for lease in leases:
-            self.groups.setdefault(lease.user, lease.groups)
-            if lease.holding:
-                self.held[lease.user] += lease.count
+            if lease.user not in groups:
+                groups[lease.user] = lease.groups
+            if lease.state in HOLDING:
+                held[lease.user] += lease.count
 
     def quota(self, user: str) -> float:
         return quota_of(user, self.groups.get(user, ()), self._quotas, self._share)

@@ -21,11 +21,11 @@ other kernels' spells: a kernel's own spells are never counted twice.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, replace
-from functools import cached_property
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
 from typing import Sequence
 
-from .model import KernelActivity, Lease, SchedConfig
+from .model import KernelActivity, Lease, SchedConfig, evolve
 from .units import format_duration
 
 #: Idle spells shorter than this are noise between two cells, not a pause.
@@ -97,6 +97,28 @@ class HostPrior:
             return flat[-self.limit :]
         return flat[max(0, start - (self.limit - after)) : start] + flat[stop:]
 
+    def count_excluding(self, lease_id: str | None) -> int:
+        """``len(self.excluding(lease_id))``, without building it."""
+        if self.limit <= 0:
+            return 0
+        total, sizes = self._sizes
+        own = sizes.get(lease_id)  # type: ignore[arg-type]
+        if own is None:
+            return min(self.limit, total)
+        if own < 0:
+            return len(self._excluding_slowly(lease_id))
+        return min(self.limit, total - own)
+
+    @cached_property
+    def _sizes(self) -> tuple[int, dict[str, int]]:
+        """Spells in all, and each lease's own (-1: in several segments)."""
+        total = 0
+        sizes: dict[str, int] = {}
+        for owner, spells in self.segments:
+            sizes[owner] = -1 if owner in sizes else len(spells)
+            total += len(spells)
+        return total, sizes
+
     @cached_property
     def _index(self) -> tuple[tuple[float, ...], dict[str, tuple[int, int]]]:
         """Every spell in order, and where each lease's segment lies in it ((-1, -1): in several)."""
@@ -135,34 +157,36 @@ def observe(lease: Lease, activity: KernelActivity | None, now: float, cfg: Sche
     """
     if activity is None:
         return lease
-    using_gpu = (
-        activity.gpu_utilization is not None and activity.gpu_utilization >= cfg.idle_utilization_threshold
-    )
-    active_now = activity.busy or using_gpu
+    utilization = activity.gpu_utilization
+    active_now = activity.busy or (utilization is not None and utilization >= cfg.idle_utilization_threshold)
+    busy = lease.busy
     last = lease.last_active_at
     gaps = lease.gaps
-    began = activity.started_at
-    if not lease.busy and last is not None:
+    if not busy and last is not None:
         # An idle spell ended if the kernel ran since we last looked (perhaps a short cell that
         # began and ended between two ticks).
+        began = activity.started_at
         resumed_at = began if began is not None and began > last else (now if active_now else None)
         if resumed_at is not None:
             gap = resumed_at - last
             if gap >= MIN_GAP:
                 gaps = (*gaps, gap)[-HISTORY:]
     if active_now:
-        if not lease.busy:
+        if not busy:
             last = now
     else:
-        if activity.last_busy_at is not None and (last is None or activity.last_busy_at > last):
-            last = min(activity.last_busy_at, now)
-        elif lease.busy:
+        last_busy = activity.last_busy_at
+        if last_busy is not None and (last is None or last_busy > last):
+            last = min(last_busy, now)
+        elif busy:
             last = now
-    memory = activity.gpu_memory if activity.gpu_memory is not None else lease.memory_held
-    if (active_now, last, gaps, memory) == (lease.busy, lease.last_active_at, lease.gaps, lease.memory_held):
+    memory = activity.gpu_memory
+    if memory is None:
+        memory = lease.memory_held
+    if active_now == busy and last == lease.last_active_at and gaps == lease.gaps and memory == lease.memory_held:
         return lease
     tried = () if active_now else lease.tried_steps
-    return replace(lease, busy=active_now, last_active_at=last, gaps=gaps, memory_held=memory, tried_steps=tried)
+    return evolve(lease, busy=active_now, last_active_at=last, gaps=gaps, memory_held=memory, tried_steps=tried)
 
 
 def record_gap(lease: Lease, now: float) -> tuple[float, ...]:
@@ -206,6 +230,16 @@ def _first_long_point(
     return None
 
 
+_TOO_FEW = "too few pauses yet to learn from"
+_NOT_LONG = "this kernel's own pauses have not been long ones"
+
+
+@lru_cache(maxsize=64)
+def _plain(idle_after: float, keep_after: float | None, reason: str) -> Timeouts:
+    """The timeouts as configured (one record per config, shared: a pass asks for them often)."""
+    return Timeouts(idle_after, keep_after, reason)
+
+
 def timeouts(lease: Lease, prior: Sequence[float] | HostPrior, cfg: SchedConfig) -> Timeouts:
     """The adaptive idle timeouts of ``lease`` (``keep_after`` None: keep while nobody waits).
 
@@ -214,24 +248,48 @@ def timeouts(lease: Lease, prior: Sequence[float] | HostPrior, cfg: SchedConfig)
     """
     base_keep = cfg.release_timeout if cfg.release_timeout > 0 else None
     if cfg.policy == "static":
-        return Timeouts(cfg.idle_timeout, None, "the static policy holds a lease until its kernel ends")
+        return _plain(cfg.idle_timeout, None, "the static policy holds a lease until its kernel ends")
     if not cfg.adaptive or cfg.idle_timeout <= 0:
-        return Timeouts(cfg.idle_timeout, base_keep, "the configured timeouts")
-    samples = _samples(lease, prior)
-    if len(samples) < MIN_SAMPLES:
-        return Timeouts(cfg.idle_timeout, base_keep, "too few pauses yet to learn from")
-    own = sorted(lease.gaps)
+        return _plain(cfg.idle_timeout, base_keep, "the configured timeouts")
+    gaps = lease.gaps
+    # _samples(lease, prior), counted before it is built: most leases never need it at all.
+    own_enough = len(gaps) >= OWN_SAMPLES
+    if own_enough:
+        padding = 0
+    elif isinstance(prior, HostPrior):
+        padding = prior.count_excluding(lease.id)
+    else:
+        padding = len(prior)
+    if len(gaps) + padding < MIN_SAMPLES:
+        return _plain(cfg.idle_timeout, base_keep, _TOO_FEW)
     horizon = cfg.idle_timeout
-    early = _first_long_point(samples, own, max(cfg.idle_timeout * FLOOR, 1.0), cfg.idle_timeout / GROWTH, horizon)
+    longest_own = max(gaps) if gaps else 0.0
+    if longest_own <= horizon + min(max(horizon * FLOOR, 1.0), horizon):
+        # Neither search below has a candidate the kernel ever paused a horizon past (the first
+        # starts at the floor, the second at ``idle_timeout`` or earlier): the common case.
+        return _plain(cfg.idle_timeout, base_keep, _NOT_LONG)
+    built: list[list[float]] = []
+
+    def first_long_point(start: float, stop: float) -> float | None:
+        # _first_long_point answers None at once where there is no candidate or the kernel never
+        # paused past ``start + horizon``: then the samples need not be built and sorted at all.
+        if start > stop + 1e-9 or start + horizon >= longest_own:
+            return None
+        if not built:
+            built.append(_samples(lease, prior))
+            built.append(sorted(gaps))
+        return _first_long_point(built[0], built[1], start, stop, horizon)
+
+    early = first_long_point(max(cfg.idle_timeout * FLOOR, 1.0), cfg.idle_timeout / GROWTH)
     idle_after = early if early is not None else cfg.idle_timeout
     if base_keep is None:
         # release_timeout = 0: an idle lease is kept for as long as nobody waits.
         keep = None
     else:
-        keep = _first_long_point(samples, own, idle_after, base_keep, horizon)
+        keep = first_long_point(idle_after, base_keep)
         if keep is None:
             keep = base_keep
-    reason = "this kernel's own pauses have not been long ones"
+    reason = _NOT_LONG
     if keep is not None and keep < base_keep:
         reason = f"once this kernel pauses for {format_duration(keep)} it usually stays away a while"
     if early is not None:

@@ -6,7 +6,7 @@ Everything here is a frozen dataclass. The core never mutates a record: it retur
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Mapping
 
 # The names of states and steps are shared with the kernel side, which loads no core code.
@@ -130,6 +130,26 @@ class Lease:
         if self.mode == EXCLUSIVE or self.memory is None:
             return device.memory_total
         return self.memory
+
+
+_LEASE_FIELDS = frozenset(f.name for f in fields(Lease))
+
+
+def evolve(lease: Lease, **changes: object) -> Lease:
+    """``dataclasses.replace(lease, **changes)``, for the scheduling pass's hot paths.
+
+    A lease has only plain fields (no ``__post_init__``, nothing derived), so copying its fields
+    and setting the changed ones gives the very record ``replace`` would build, without a call to
+    the generated ``__init__`` that sets two dozen frozen fields one by one.
+    """
+    unknown = changes.keys() - _LEASE_FIELDS
+    if unknown:
+        raise TypeError(f"Lease has no field {', '.join(sorted(unknown))}")
+    new = object.__new__(Lease)
+    attrs = new.__dict__
+    attrs.update(lease.__dict__)
+    attrs.update(changes)
+    return new
 
 
 @dataclass(frozen=True)

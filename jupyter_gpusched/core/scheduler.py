@@ -7,12 +7,13 @@ the ``reclaim`` decisions; the simulator calls it on its virtual clock. Same inp
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import AbstractSet, Iterable, Mapping, Sequence
 
 from . import fairness, idle, ladder
 from .model import (
     EXCLUSIVE,
+    HOLDING,
+    LIVE,
     Capabilities,
     Decision,
     Device,
@@ -22,23 +23,38 @@ from .model import (
     Plan,
     SchedConfig,
     Step,
+    evolve,
 )
-from .placement import Occupancy, fits, occupy, place, schedulable, vacate
+from .placement import Occupancy, _load_key, fits, occupy, place, schedulable, vacate
 from .units import format_duration
 
 
 class _Limits:
-    """Adaptive timeouts per lease, computed once per pass on first use."""
+    """Adaptive timeouts per lease, computed once per pass on first use.
 
-    def __init__(self, prior: idle.HostPrior, cfg: SchedConfig) -> None:
-        self.prior = prior
+    The host's spells that pad short histories are gathered on first need too: a pass in which
+    no lease can turn idle (or a policy that does not adapt) never gathers them.
+    """
+
+    def __init__(self, live: Sequence[Lease], cfg: SchedConfig) -> None:
+        self.live = live
         self.cfg = cfg
         self.cache: dict[str, idle.Timeouts] = {}
+        self._prior: idle.HostPrior | None = None
+        # idle.timeouts answers these before it reads the host's spells.
+        self.fixed = cfg.policy == "static" or not cfg.adaptive or cfg.idle_timeout <= 0
+
+    @property
+    def prior(self) -> idle.HostPrior:
+        if self._prior is None:
+            self._prior = idle.host_prior(self.live)
+        return self._prior
 
     def of(self, lease: Lease) -> idle.Timeouts:
         found = self.cache.get(lease.id)
         if found is None:
-            found = self.cache[lease.id] = idle.timeouts(lease, self.prior, self.cfg)
+            found = idle.timeouts(lease, () if self.fixed else self.prior, self.cfg)
+            self.cache[lease.id] = found
         return found
 
 
@@ -51,6 +67,21 @@ class _Host:
         self.by_uuid = {d.uuid: d for d in devices}
         self.pool = schedulable(devices)
         self.empty_occ = {d.uuid: Occupancy(False, 0, 0) for d in devices}
+        # The pool in the order placement ranks devices for an exclusive claim, and whether any
+        # device is in a group (then placement must see every candidate to pick the group).
+        self.pool_by_load = sorted(self.pool, key=_load_key)
+        self.grouped = any(d.group is not None for d in self.pool)
+        # One record per distinct occupancy of a device: most held devices are alike.
+        self.occupancies: dict[tuple[bool, int, int], Occupancy] = {}
+
+    def occupancy_of(self, exclusive: bool, promised: int, holders: int) -> Occupancy:
+        key = (exclusive, promised, holders)
+        found = self.occupancies.get(key)
+        if found is None:
+            if len(self.occupancies) >= 4096:
+                self.occupancies.clear()
+            found = self.occupancies[key] = Occupancy(exclusive, promised, holders)
+        return found
 
 
 _last_host: _Host | None = None
@@ -64,10 +95,17 @@ def _host(devices: tuple[Device, ...]) -> _Host:
     return host
 
 
+#: Reclaim steps that keep the kernel's state.
+_GENTLE = frozenset(step for step in Step if not step.disruptive)
+#: States whose kernels a pass does not observe: waiting for devices, or checkpointed off them.
+_NOT_OBSERVED = frozenset({LeaseState.PENDING, LeaseState.SUSPENDED})
+
+
 class _Pass:
     def __init__(self, devices, leases, activity, now, cfg, caps) -> None:
         self.devices: Sequence[Device] = tuple(devices)
         host = _host(self.devices)
+        self.host = host
         self.by_uuid = host.by_uuid
         self.input = {lease.id: lease for lease in leases}
         self.leases: dict[str, Lease] = dict(self.input)
@@ -88,7 +126,7 @@ class _Pass:
         before = self.input.get(lease.id)
         # ``is`` first: comparing two records field by field costs more than the rest of set().
         if lease is not before and lease != before and lease.version == self.input[lease.id].version:
-            lease = replace(lease, version=lease.version + 1)
+            lease = evolve(lease, version=lease.version + 1)
         self.leases[lease.id] = lease
         self._live = None
         if kind is not None:
@@ -100,9 +138,13 @@ class _Pass:
             self.wakeups.append(at)
 
     def live(self) -> list[Lease]:
-        """The live leases as they stand now (a list no caller changes), rebuilt after a set()."""
+        """The live leases as they stand now (a list no caller changes), rebuilt after a set().
+
+        Every lease of a pass is live: :func:`plan` passes only live ones and a pass never
+        releases one (it grants, marks idle, reclaims and queues).
+        """
         if self._live is None:
-            self._live = [le for le in self.leases.values() if le.live]
+            self._live = list(self.leases.values())
         return self._live
 
     def occupancy(self, leases: Iterable[Lease]) -> dict[str, Occupancy]:
@@ -110,22 +152,29 @@ class _Pass:
         work is in the leases that hold devices, not in every device of the host."""
         occ = dict(self.empty_occ)
         counts: dict[str, list] = {}
+        by_uuid = self.by_uuid
         for lease in leases:
-            if not lease.holding:
+            if lease.state not in HOLDING:
                 continue
+            exclusive = lease.mode == EXCLUSIVE
+            # lease.promised_memory(device), inline: the whole device or the claim's memory
+            memory = None if exclusive else lease.memory
             for uuid in lease.devices:
-                device = self.by_uuid.get(uuid)
+                device = by_uuid.get(uuid)
                 if device is None:
                     continue
+                promised = device.memory_total if memory is None else memory
                 count = counts.get(uuid)
                 if count is None:
-                    count = counts[uuid] = [False, 0, 0]
-                count[2] += 1
-                if lease.mode == EXCLUSIVE:
-                    count[0] = True
-                count[1] += lease.promised_memory(device)
+                    counts[uuid] = [exclusive, promised, 1]
+                else:
+                    count[2] += 1
+                    if exclusive:
+                        count[0] = True
+                    count[1] += promised
+        make = self.host.occupancy_of
         for uuid, (exclusive, promised, holders) in counts.items():
-            occ[uuid] = Occupancy(exclusive, promised, holders)
+            occ[uuid] = make(exclusive, promised, holders)
         return occ
 
     def pinned(self, lease: Lease) -> bool:
@@ -134,14 +183,20 @@ class _Pass:
     # -- the pass --------------------------------------------------------------------------
     def run(self) -> Plan:
         self.observe()
-        limits = _Limits(idle.host_prior(self.live()), self.cfg)
+        # The live leases as observed: the snapshot whose spells pad short histories.
+        limits = _Limits(self.live(), self.cfg)
         self.mark_idle(limits)
         live = self.live()
-        # fairness.fair_share(self.devices, live), with the schedulable devices counted once per host.
-        share = len(self.pool) / max(1, len({lease.user for lease in live}))
-        usage = fairness.Usage(live, self.cfg.quotas, share)
-        queue, blocked = self.grant([le for le in self.live() if le.state == LeaseState.PENDING], usage)
-        wanted = self.victims_for(blocked, usage, limits)
+        pending = [le for le in live if le.state == LeaseState.PENDING]
+        if pending:
+            # fairness.fair_share(self.devices, live), with the schedulable devices counted once per host.
+            share = len(self.pool) / max(1, len({lease.user for lease in live}))
+            usage = fairness.Usage(live, self.cfg.quotas, share)
+            queue, blocked = self.grant(pending, usage)
+            wanted = self.victims_for(blocked, usage, limits)
+        else:
+            # Nothing to grant, so no claim is blocked and nothing is wanted for one.
+            queue, wanted = [], {}
         wanted.update(self.uncontended(limits))
         self.reclaim(wanted)
         waiting = [le for le in queue if self.leases[le.id].state == LeaseState.PENDING]
@@ -159,20 +214,25 @@ class _Pass:
         )
 
     def observe(self) -> None:
+        activity, now, cfg = self.activity, self.now, self.cfg
+        observe = idle.observe
         for lease in self.live():
-            if lease.state in (LeaseState.PENDING, LeaseState.SUSPENDED):
+            if lease.state in _NOT_OBSERVED:
                 # A suspended kernel holds nothing on a GPU; its next cell asks to resume.
                 continue
-            updated = idle.observe(lease, self.activity.get(lease.kernel_id), self.now, self.cfg)
-            if updated.keep_until is not None and updated.keep_until <= self.now:
-                updated = replace(updated, keep_until=None)
+            updated = observe(lease, activity.get(lease.kernel_id), now, cfg)
+            keep_until = updated.keep_until
+            if keep_until is not None:
+                if keep_until <= now:
+                    updated = evolve(updated, keep_until=None)
+                else:
+                    self.wakeups.append(keep_until)
             if updated is not lease:
                 self.set(updated)
-            self.wake(updated.keep_until)
 
     def mark_idle(self, limits: _Limits) -> None:
         for lease in self.live():
-            if not lease.holding:
+            if lease.state not in HOLDING:
                 continue
             if lease.busy and lease.state != LeaseState.ACTIVE:
                 if lease.state == LeaseState.RECLAIMING and not (lease.reclaim_step or Step.RELEASE).disruptive:
@@ -180,7 +240,7 @@ class _Pass:
                 kind = "cancel" if lease.state == LeaseState.RECLAIMING else "active"
                 reason = "the kernel is running again" + (": reclaim cancelled" if kind == "cancel" else "")
                 self.set(
-                    replace(lease, state=LeaseState.ACTIVE, reclaim_at=None, reclaim_step=None, reason=reason),
+                    evolve(lease, state=LeaseState.ACTIVE, reclaim_at=None, reclaim_step=None, reason=reason),
                     kind,
                     reason,
                 )
@@ -189,7 +249,7 @@ class _Pass:
                 limit = limits.of(lease)
                 if lease.idle_seconds(self.now) >= limit.idle_after:
                     reason = self.idle_reason(limit)
-                    self.set(replace(lease, state=LeaseState.IDLE, reason=reason), "idle", reason)
+                    self.set(evolve(lease, state=LeaseState.IDLE, reason=reason), "idle", reason)
                 elif lease.last_active_at is not None:
                     self.wake(lease.last_active_at + limit.idle_after)
 
@@ -207,6 +267,8 @@ class _Pass:
     ):
         """Where ``lease`` would go now (a restore goes home, or to the same model with remap),
         keeping off the devices in ``avoid``. ``occ`` is the occupancy of ``leases`` if known."""
+        if occ is not None and lease.mode == EXCLUSIVE and not self.host.grouped:
+            return self.exclusive_placement(lease, avoid, occ)
         allowed = [d.uuid for d in self.devices if d.uuid not in avoid] if avoid else None
         if lease.home:
             home = [self.by_uuid[u] for u in lease.home if u in self.by_uuid]
@@ -217,6 +279,37 @@ class _Pass:
             home_only = [u for u in lease.home if u not in avoid]
             return place(lease, self.devices, leases, only=home_only, occ=occ, pool=self.pool)
         return place(lease, self.devices, leases, only=allowed, occ=occ, pool=self.pool)
+
+    def exclusive_placement(self, lease: Lease, avoid: AbstractSet[str], occ):
+        """``placement_for`` an exclusive claim on a host without device groups.
+
+        Placement ranks the devices such a claim fits on by load and takes the first ``count``;
+        here the pool is walked in that order and stops at the ``count``-th device that fits and
+        that the claim may use, and placement is asked to choose among those alone: the same
+        choice, without testing and sorting every device of a large host.
+        """
+        allowed: AbstractSet[str] | None = None
+        models: set[str] | None = None
+        if lease.home and not self.caps.remap:
+            allowed = {u for u in lease.home if u not in avoid}
+        elif lease.home:
+            models = {self.by_uuid[u].name for u in lease.home if u in self.by_uuid} or None
+        found: list[Device] = []
+        need = lease.count
+        if need > 0:
+            for device in self.host.pool_by_load:
+                uuid = device.uuid
+                if uuid in avoid or (allowed is not None and uuid not in allowed):
+                    continue
+                if models is not None and device.name not in models:
+                    continue
+                if fits(device, occ[uuid], lease):
+                    found.append(device)
+                    if len(found) == need:
+                        break
+            if len(found) < need:
+                return None
+        return place(lease, self.devices, (), occ=occ, pool=found)
 
     def usable(self, lease: Lease) -> set[str]:
         """Every device ``lease`` could be placed on when nobody holds it."""
@@ -266,14 +359,14 @@ class _Pass:
                     self.wake(lease.queued_at + self.cfg.backfill_wait)
                 why = self.why_waiting(lease, possible)
                 if why != lease.reason:
-                    self.set(replace(lease, reason=why))
+                    self.set(evolve(lease, reason=why))
                 return False
             devices, reason = chosen
             restored = bool(lease.home)
             verb = "restored onto" if restored else "granted"
             text = f"{verb} {reason}"
             self.set(
-                replace(
+                evolve(
                     lease,
                     state=LeaseState.ACTIVE,
                     devices=devices,
@@ -379,7 +472,7 @@ class _Pass:
                     share = " beyond its user's guaranteed share" if above else ""
                     chosen[vid] = f"idle{share} while {claim.user} waits for a GPU"
                     vacate(planned, holding[vid], self.by_uuid)
-            occupy(planned, replace(claim, state=LeaseState.ACTIVE, devices=placed[0]), self.by_uuid)
+            occupy(planned, evolve(claim, state=LeaseState.ACTIVE, devices=placed[0]), self.by_uuid)
         return chosen
 
     def uncontended(self, limits: _Limits) -> dict[str, str]:
@@ -387,14 +480,15 @@ class _Pass:
         out: dict[str, str] = {}
         if self.cfg.policy == "static":
             return out
+        now, cfg, caps = self.now, self.cfg, self.caps
+        release_after = cfg.release_timeout if cfg.release_timeout > 0 else None
         for lease in self.live():
-            if not lease.holding or lease.busy or self.pinned(lease) or lease.last_active_at is None:
+            if lease.state not in HOLDING or lease.busy or lease.last_active_at is None or self.pinned(lease):
                 continue
-            idle_for = lease.idle_seconds(self.now)
-            step, _ = ladder.choose_step(lease, self.cfg, self.caps)
-            gentle = step is not None and not step.disruptive
+            idle_for = lease.idle_seconds(now)
+            step, _ = ladder.choose_step(lease, cfg, caps)
+            gentle = step in _GENTLE
             timeouts = limits.of(lease)
-            release_after = self.cfg.release_timeout if self.cfg.release_timeout > 0 else None
             limit = timeouts.keep_after if gentle else release_after
             if limit is None:
                 continue
@@ -410,11 +504,13 @@ class _Pass:
 
     def reclaim(self, wanted: Mapping[str, str]) -> None:
         for lease in self.live():
+            if lease.state != LeaseState.RECLAIMING or lease.id in wanted:
+                continue
             in_progress = lease.reclaim_step is not None and not lease.reclaim_step.disruptive
-            if lease.state == LeaseState.RECLAIMING and lease.id not in wanted and not in_progress:
+            if not in_progress:
                 reason = "reclaim cancelled: no longer needed"
                 self.set(
-                    replace(lease, state=LeaseState.IDLE, reclaim_at=None, reclaim_step=None, reason=reason),
+                    evolve(lease, state=LeaseState.IDLE, reclaim_at=None, reclaim_step=None, reason=reason),
                     "cancel",
                     reason,
                 )
@@ -438,7 +534,7 @@ class _Pass:
                 reason = f"{why}; {how}"
                 kind = "notice" if at > self.now else "reclaim"
                 self.set(
-                    replace(lease, state=LeaseState.RECLAIMING, reclaim_at=at, reclaim_step=step, reason=reason),
+                    evolve(lease, state=LeaseState.RECLAIMING, reclaim_at=at, reclaim_step=step, reason=reason),
                     kind,
                     reason,
                 )
@@ -446,7 +542,7 @@ class _Pass:
             else:
                 reason = f"{why}; {how}"
                 self.set(
-                    replace(lease, state=LeaseState.RECLAIMING, reclaim_at=self.now, reclaim_step=step, reason=reason),
+                    evolve(lease, state=LeaseState.RECLAIMING, reclaim_at=self.now, reclaim_step=step, reason=reason),
                     "reclaim",
                     reason,
                 )
@@ -461,5 +557,5 @@ def plan(
     caps: Capabilities = Capabilities(),
 ) -> Plan:
     """Run one scheduling pass over the live leases (released ones are ignored)."""
-    live = [lease for lease in leases if lease.live]
+    live = [lease for lease in leases if lease.state in LIVE]
     return _Pass(devices, live, activity, now, cfg, caps).run()

@@ -296,12 +296,15 @@ class _Replay:
         heapq.heappush(self.events, (at, kind, self.seq, kernel, data))
 
     def run(self) -> Result:
-        for kernel in self.kernels.values():
-            session = kernel.session
-            self.push(session.start, _START, kernel)
-            self.push(session.stop, _STOP, kernel)
-            if session.cells:
-                self.push(session.cells[0].start, _READY, kernel)
+        # A session's first events enter the queue only when the replay reaches its start, so
+        # that the queue holds what is under way, not the whole trace. They keep the sequence
+        # numbers they would have had if queued at the outset (session by session in trace order,
+        # before any event pushed during the replay), so events at one instant run in the same
+        # order either way.
+        self.seq = 3 * len(self.kernels)
+        upcoming = sorted(
+            (kernel.session.start, 3 * i, kernel) for i, kernel in enumerate(self.kernels.values())
+        )
         handlers = {
             _END: self.on_end,
             _SUSPENDED: self.on_suspended,
@@ -310,17 +313,29 @@ class _Replay:
             _START: self.on_start,
             _READY: self.on_ready,
         }
-        first = min((k.session.start for k in self.kernels.values()), default=0.0)
+        first = upcoming[0][0] if upcoming else 0.0
         last = max((k.session.stop for k in self.kernels.values()), default=0.0)
+        events = self.events
+        arriving = 0
         instants = 0
-        while self.events:
-            now = self.events[0][0]
+        while events or arriving < len(upcoming):
+            # Admit every session that starts by the next queued instant (or the next session's
+            # start, if nothing is queued).
+            while arriving < len(upcoming) and (not events or upcoming[arriving][0] <= events[0][0]):
+                start, seq, kernel = upcoming[arriving]
+                arriving += 1
+                session = kernel.session
+                heapq.heappush(events, (start, _START, seq, kernel, None))
+                heapq.heappush(events, (session.stop, _STOP, seq + 1, kernel, None))
+                if session.cells:
+                    heapq.heappush(events, (session.cells[0].start, _READY, seq + 2, kernel, None))
+            now = events[0][0]
             instants += 1
             if self.progress is not None and instants % 256 == 0:
                 self.progress.update(now - first, last - first)
             changed = False
-            while self.events and self.events[0][0] == now:
-                _, kind, _, kernel, data = heapq.heappop(self.events)
+            while events and events[0][0] == now:
+                _, kind, _, kernel, data = heapq.heappop(events)
                 if kind == _WAKE:
                     changed |= data == self.wake_gen
                 else:
