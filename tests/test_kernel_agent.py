@@ -520,13 +520,31 @@ def test_first_cell_binds_lazily_to_the_granted_gpu(shell, provisioned):
     assert any("This kernel uses GPU 0" in t for t in shown.texts)
 
 
-def test_cells_on_an_active_lease_make_no_requests(shell, provisioned):
+def test_cells_on_an_active_lease_only_read_it(shell, provisioned):
     _agent, _shown = load(shell)
     run(shell, "a = 1")
     before = len(provisioned.requests)
     for i in range(20):
         assert run(shell, f"b = {i}").success
-    assert len(provisioned.requests) == before
+    made = provisioned.requests[before:]
+    # One read of the kernel's own lease per cell (it may have been checkpointed since), no writes.
+    assert [(m, p) for m, p, _, _ in made] == [("GET", "api/gpusched/leases")] * 20
+
+
+def test_a_lease_checkpointed_since_the_last_read_is_restored_before_the_cell(shell, provisioned):
+    agent, shown = load(shell)
+    run(shell, "a = 1")
+    assert agent.lease["state"] == "active"
+    # The server checkpoints the kernel a moment after the agent last read its lease: the next
+    # cell must not run CUDA code on the checkpointed state, it asks for the restore first.
+    provisioned.lease_of().update(state="suspended", devices=[], device_indices=[],
+                                  reason="suspended: GPU state checkpointed to host memory")
+    before = len(provisioned.requests)
+    assert run(shell, "b = 2").success
+    assert provisioned.count("POST", "api/gpusched/leases") >= 1
+    assert ("POST", "api/gpusched/leases") in [(m, p) for m, p, _, _ in provisioned.requests[before:]]
+    assert provisioned.lease_of()["state"] == "active"
+    assert any(t.startswith("Restored this kernel's GPU state onto GPU") for t in shown.texts)
 
 
 def test_gpu_magics_cells_do_not_take_a_gpu(shell, provisioned):

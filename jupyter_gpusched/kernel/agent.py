@@ -220,7 +220,12 @@ class Agent:
         return max(2 * self.settings.poll, 5.0) if self.watching else self.settings.poll
 
     def _current(self) -> dict | None:
-        """The lease as the pre-run hook needs it: cached while active, else read fresh."""
+        """The lease as the pre-run hook needs it: read fresh while it holds a GPU.
+
+        A lease that held a GPU a moment ago may have been checkpointed since: a cell must not
+        touch CUDA before its state is restored (on a real GPU, a CUDA call from a checkpointed
+        process can crash it), so a holding lease is never taken from the cache.
+        """
         with self._lock:
             lease, age = self._lease, self.clock() - self._lease_at
         if not self._connected():
@@ -229,9 +234,7 @@ class Agent:
         fresh = age <= self._max_age()
         if lease is None and fresh:
             return None
-        if state == LeaseState.ACTIVE and fresh:
-            return dict(lease)
-        if state == LeaseState.SUSPENDED or (state == LeaseState.RELEASED and age <= self._max_age()):
+        if state == LeaseState.SUSPENDED or (state == LeaseState.RELEASED and fresh):
             return dict(lease)
         return self.refresh()
 
