@@ -252,6 +252,12 @@ def test_mps_commands_and_each_daemons_environment(tmp_path):
     # Unix socket paths in the pipe directory stay short under a usual runtime directory.
     usual = MPS("auto", "/home/someone/.local/share/jupyter/runtime/gpusched-mps", which=lambda n: n)
     assert len(usual.daemon_for(uuid).pipe_directory) < 80
+    # Under a deep runtime directory the daemon could not bind its sockets: the pipes go to a
+    # private folder of this user's in the temp directory instead.
+    deep = MPS("auto", "/tmp/" + "d" * 90 + "/runtime/gpusched-mps", which=lambda n: n)
+    pipes = deep.daemon_for(uuid).pipe_directory
+    assert len(os.path.join(pipes, "control_privileged")) <= 107
+    assert oct(os.stat(os.path.dirname(os.path.dirname(pipes))).st_mode & 0o777) == "0o700"
     simulated = MPS("auto", str(tmp_path), backend="simulated", which=lambda name: f"/usr/bin/{name}")
     assert not simulated.wanted and "simulated" in simulated.reason
 

@@ -20,7 +20,9 @@ import hashlib
 import logging
 import os
 import shutil
+import stat
 import subprocess
+import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -55,6 +57,25 @@ class Daemon:
     @property
     def pid_file(self) -> str:
         return os.path.join(self.pipe_directory, f"{CONTROL}.pid")
+
+
+#: The longest socket name the daemon makes in its pipe directory, and the most a Unix socket's
+#: path may hold (``sun_path``: 108 bytes with its final NUL).
+LONGEST_SOCKET = "control_privileged"
+MAX_SOCKET_PATH = 107
+
+
+def short_root() -> str:
+    """A folder of this user's for the daemons' pipes, with a short path (in the temp directory).
+
+    Made 0700; one that is a link, or not this user's, or open to others is refused.
+    """
+    root = os.path.join(tempfile.gettempdir(), f"gpusched-mps-{os.getuid()}")
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    info = os.lstat(root)
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise OSError(f"{root} is not a private folder of this user's; the MPS pipes cannot go there")
+    return root
 
 
 class MPS:
@@ -114,6 +135,12 @@ class MPS:
         """
         name = hashlib.sha256(uuid.encode()).hexdigest()[:12]
         base = os.path.join(self.root, name)
+        if len(os.path.join(base, "pipe", LONGEST_SOCKET)) > MAX_SOCKET_PATH:
+            # A deep runtime directory: the daemon could not bind its sockets there.
+            try:
+                base = os.path.join(short_root(), name)
+            except OSError as err:
+                log.warning("MPS: %s", err)
         return Daemon(uuid, os.path.join(base, "pipe"), os.path.join(base, "log"))
 
     def start_command(self) -> list[str]:
