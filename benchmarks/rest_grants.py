@@ -1,13 +1,15 @@
 """Grant round trips through the REST API of a real server, with many clients at once.
 
     python benchmarks/rest_grants.py [--clients 50] [--gpus N] [--seconds 20]
-                                     [--baseline-seconds 10] [--start-batch 10] [--json] [--keep]
+                                     [--baseline-seconds 10] [--rounds 4] [--start-batch 10]
+                                     [--json] [--keep]
 
 Starts ``jupyter server`` with the extension on ``--gpus`` simulated GPUs (default: one per client,
 so that a claim never queues) and one real kernel per client. Each client, on its own keep-alive
 connection, then loops ``POST /api/gpusched/leases`` (expects 201) and ``DELETE`` of that lease
 (expects 204) for ``--seconds``. The in-run baseline is ``GET /api/status``, jupyter_server's own
-trivial endpoint, from the same clients at the same concurrency just before. The report gives
+trivial endpoint, from the same clients at the same concurrency, in turns with the grants
+(``--rounds``, default 4: a change of the machine's load weighs on both alike). The report gives
 p50/p99 of each round trip, grants per second, claim/baseline ratios, the CPU the server and the
 clients used, and whether the ledger shows any device granted twice. Nothing here asserts on time.
 """
@@ -79,12 +81,33 @@ class Phase:
         self.client_cpu = 0.0
 
 
+def merge(phases: list[Phase]) -> Phase:
+    """Rounds of one kind as one phase: latencies together, CPU as the share of all their time."""
+    out = Phase(phases[0].name)
+    for p in phases:
+        out.first += p.first
+        out.second += p.second
+        out.first_at += p.first_at
+        out.unexpected.update(p.unexpected)
+        out.ok += p.ok
+        out.wall += p.wall
+        out.server_cpu += p.server_cpu * p.wall
+        out.client_cpu += p.client_cpu * p.wall
+    if out.wall:
+        out.server_cpu /= out.wall
+        out.client_cpu /= out.wall
+    return out
+
+
 async def run_phase(
-    server: JupyterServer, conns: list[Connection], kernels: list[str], seconds: float, kind: str
+    server: JupyterServer, conns: list[Connection], kernels: list[str], seconds: float, kind: str,
+    offset: float = 0.0,
 ) -> Phase:
+    """``seconds`` of one kind of loop; ``first_at`` counts on from ``offset`` (earlier rounds)."""
     phase = Phase(kind)
-    start = time.perf_counter()
-    stop_at = start + seconds
+    began = time.perf_counter()
+    start = began - offset
+    stop_at = began + seconds
     proc = psutil.Process(server.pid)
     cpu0, own0 = sum(proc.cpu_times()[:2]), time.process_time()
 
@@ -135,7 +158,7 @@ async def run_phase(
         await asyncio.gather(*(status_client(c) for c in conns))
     else:
         await asyncio.gather(*(grant_client(c, k) for c, k in zip(conns, kernels)))
-    phase.wall = time.perf_counter() - start
+    phase.wall = time.perf_counter() - began
     phase.server_cpu = (sum(proc.cpu_times()[:2]) - cpu0) / phase.wall
     phase.client_cpu = (time.process_time() - own0) / phase.wall
     return phase
@@ -185,8 +208,16 @@ async def bench(args, server: JupyterServer) -> dict:
     conns = [Connection.to(server) for _ in kernels]
     try:
         warm = await run_phase(server, conns, kernels, args.warmup, "grants") if args.warmup > 0 else None
-        base = await run_phase(server, conns, kernels, args.baseline_seconds, "status")
-        grants = await run_phase(server, conns, kernels, args.seconds, "grants")
+        # Baseline and grants take turns, so that a change in the machine's load in the middle
+        # of the run weighs on both alike; the ledger's history still grows from round to round.
+        bases, grant_rounds = [], []
+        rounds = max(1, args.rounds)
+        for i in range(rounds):
+            bases.append(await run_phase(server, conns, kernels, args.baseline_seconds / rounds, "status"))
+            grant_rounds.append(
+                await run_phase(server, conns, kernels, args.seconds / rounds, "grants", offset=i * args.seconds / rounds)
+            )
+        base, grants = merge(bases), merge(grant_rounds)
     finally:
         for conn in conns:
             await conn.close()
@@ -303,6 +334,8 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=20.0, help="seconds of claim/release loops (default 20)")
     parser.add_argument("--baseline-seconds", type=float, default=10.0,
                         help="seconds of GET /api/status loops (default 10)")
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="baseline and grant phases take turns this many times (default 4)")
     parser.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds of grants first (default 2)")
     parser.add_argument("--start-batch", type=int, default=10, help="kernels started at once (default 10)")
     parser.add_argument("--kernelspec", default="python3",
