@@ -32,6 +32,8 @@ class ClaimRequest:
     ask: Claim
     #: The kernel's process, which will own the lease (None: the server owns it).
     owner_pid: int | None = None
+    #: That process's identity where the caller read it already (None: read it from ``owner_pid``).
+    owner: OwnerId | None = None
     #: Idle spells of the kernel's earlier lease, so that learning survives a release.
     gaps: tuple[float, ...] = ()
 
@@ -98,8 +100,8 @@ def write_claim(request: ClaimRequest, host: Host, tx, leases: list[Lease], devi
     )
     core.admit(claim, devices, leases, host.cfg)
     tx.put(claim)
-    process = None
-    if request.owner_pid is not None:
+    process = request.owner
+    if process is None and request.owner_pid is not None:
         try:
             process = OwnerId.of_pid(request.owner_pid)
         except Exception:  # noqa: BLE001 - fall back to this server owning it

@@ -120,6 +120,7 @@ class LocalArbiter(LocalReads, Arbiter):
         self._task: asyncio.Task | None = None
         self._tick_lock = asyncio.Lock()
         self._kernel_gaps: dict[str, tuple[float, ...]] = {}
+        self._kernel_owners: dict[str, OwnerId] = {}
         self._suspects: frozenset[str] = frozenset()
         self._unleased_seen: frozenset[int] = frozenset()
         #: Claims waiting for the next planning pass, and the task that writes them.
@@ -521,18 +522,31 @@ class LocalArbiter(LocalReads, Arbiter):
         kernel_id = ask.kernel_id
         if self.kernels is not None and not self.kernels.alive(kernel_id):
             raise NotFound(f"no running kernel {kernel_id!r} on this server")
-        request = ClaimRequest(
-            who,
-            ask,
-            owner_pid=self.kernels.kernel_pid(kernel_id) if self.kernels is not None else None,
-            gaps=self._kernel_gaps.get(kernel_id, ()),
-        )
+        pid = self.kernels.kernel_pid(kernel_id) if self.kernels is not None else None
+        request = ClaimRequest(who, ask, owner_pid=pid, owner=self._owner_of(kernel_id, pid), gaps=self._kernel_gaps.get(kernel_id, ()))
         answer: asyncio.Future = asyncio.get_running_loop().create_future()
         self._claims.append((request, answer))
         if self._claims_writer is None or self._claims_writer.done():
             self._claims_writer = asyncio.create_task(self._write_claims())
         how, lease_id = await answer
         return await self._answer(who, lease_id, how, ask.wait)
+
+    def _owner_of(self, kernel_id: str, pid: int | None) -> OwnerId | None:
+        """The identity (pid and start time) of a kernel's process, read once per process: a
+        kernel claims again and again, and its process changes only when it restarts."""
+        if pid is None:
+            return None
+        known = self._kernel_owners.get(kernel_id)
+        if known is not None and known.pid == pid:
+            return known
+        try:
+            owner = OwnerId.of_pid(pid)
+        except Exception:  # noqa: BLE001 - gone already: write_claim lets the server own it
+            return None
+        if len(self._kernel_owners) >= 4096:
+            self._kernel_owners.clear()
+        self._kernel_owners[kernel_id] = owner
+        return owner
 
     async def _write_claims(self) -> None:
         """Claims that arrive while a pass runs share the next one: one transaction, one plan.

@@ -30,6 +30,11 @@ __all__ = ["Transaction"]
 # The package's one logger, named as before the ledger became a package.
 log = logging.getLogger("jupyter_gpusched.ledger")
 
+_MARKS = ", ".join("?" for _ in LEASE_COLUMNS)
+_UPDATES = ", ".join(f'"{c}" = excluded."{c}"' for c in LEASE_COLUMNS if c != "id")
+#: Insert a lease or update every column of it (one statement, made once).
+_UPSERT = f"INSERT INTO leases ({COLUMN_LIST}) VALUES ({_MARKS}) ON CONFLICT(id) DO UPDATE SET {_UPDATES}"
+
 
 class Transaction:
     """One write transaction; get it from :meth:`Ledger.transaction`.
@@ -75,10 +80,8 @@ class Transaction:
                 f"lease {lease.id} changed since it was read (stored version {before.version}, "
                 f"this write version {lease.version}); read it again and retry"
             )
-        placeholders = ", ".join("?" for _ in LEASE_COLUMNS)
-        updates = ", ".join(f'"{c}" = excluded."{c}"' for c in LEASE_COLUMNS if c != "id")
         conn.execute(
-            f"INSERT INTO leases ({COLUMN_LIST}) VALUES ({placeholders}) ON CONFLICT(id) DO UPDATE SET {updates}",
+            _UPSERT,
             to_row(lease),
         )
         for event in transition_events(before, lease, self.now):
