@@ -58,8 +58,18 @@ def _quota(text: str) -> tuple[str, float]:
 _DEFAULTS = {f.name: f.default for f in fields(SchedConfig) if f.name != "quotas"}
 
 
+def _nodes(text: str) -> tuple[int, int]:
+    from .simulate.nodes import parse_nodes
+
+    try:
+        return parse_nodes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def _add_simulate(verbs: argparse._SubParsersAction) -> None:
     from .simulate import POLICIES
+    from .simulate.nodes import PLACEMENTS
 
     parser = verbs.add_parser(
         "simulate",
@@ -82,9 +92,22 @@ def _add_simulate(verbs: argparse._SubParsersAction) -> None:
     parser.add_argument("--plot", metavar="PNG", help="write a PNG of GPUs held over time against GPUs busy")
     parser.add_argument(
         "--find-capacity", action="store_true",
-        help="also find per policy the fewest GPUs with p95 cell delay <= 5 s and no disruption",
+        help="also find per policy the fewest GPUs with p95 cell delay <= 5 s and no disruption "
+        "(with --nodes: the fewest nodes of that size)",
     )
     host = parser.add_argument_group("simulated host")
+    host.add_argument(
+        "--nodes", type=_nodes, metavar="NxG",
+        help="a cluster of N nodes of G GPUs, each with its own broker, instead of one pool (e.g. 8x8; "
+        "--gpus, if given, must be N*G); a session's kernels use only the GPUs of the node its server "
+        "is placed on",
+    )
+    host.add_argument(
+        "--placement", choices=PLACEMENTS, default=None,
+        help="with --nodes: how a server is placed: hook (the spawn hook's rule: the node with the most "
+        "free, then reclaimable GPUs; default) or spread (Kubernetes' default spreading: the node with "
+        "the fewest servers)",
+    )
     host.add_argument(
         "--bandwidth", type=float, default=10.0, metavar="GBPS",
         help="checkpoint/restore bandwidth in GB/s (default 10)",
@@ -144,7 +167,7 @@ def _simulate(args: argparse.Namespace) -> int:
         simulate_policies,
         verdicts,
     )
-    from .simulate.report import PlotUnavailable, as_json, plot, table
+    from .simulate.report import PLACEMENT_WORDS, PlotUnavailable, as_json, plot, table
 
     try:
         config = SchedConfig(
@@ -159,16 +182,29 @@ def _simulate(args: argparse.Namespace) -> int:
             adaptive=args.adaptive,
             backfill_wait=args.backfill_wait,
         )
+        if args.placement is not None and args.nodes is None:
+            raise SimulationError("--placement places servers on nodes: give --nodes too (e.g. --nodes 8x8)")
+        nodes, per_node = args.nodes if args.nodes is not None else (None, None)
+        if nodes is not None and args.gpus is not None and args.gpus != nodes * per_node:
+            raise SimulationError(
+                f"--gpus {args.gpus} and --nodes {nodes}x{per_node} ({nodes * per_node} GPUs) disagree: "
+                "give one of them"
+            )
         options = ReplayOptions(
             config=config,
             bandwidth_gbps=args.bandwidth,
             restore_fixed_s=args.restore_fixed,
             cull_timeout=args.cull_timeout,
+            gpus_per_node=per_node,
+            placement=args.placement or "hook",
         )
         if args.tick_seconds <= 0:
             raise SimulationError("--tick-seconds must be more than 0")
         trace = load_trace(args.trace, tick_seconds=args.tick_seconds)
-        gpus = args.gpus if args.gpus is not None else max(trace.static_peak(), 1)
+        if nodes is not None:
+            gpus = nodes * per_node
+        else:
+            gpus = args.gpus if args.gpus is not None else max(trace.static_peak(), 1)
         policies = POLICIES if args.policy == "all" else (args.policy,)
         # Policies replay in parallel processes where the host has the cores.
         results = simulate_policies(trace, policies, gpus, options)
@@ -183,22 +219,34 @@ def _simulate(args: argparse.Namespace) -> int:
     else:
         gpu_sessions = trace.gpu_sessions
         cells = sum(len(s.cells) for s in gpu_sessions)
+        if nodes is None:
+            host = f"host of {gpus} GPUs"
+        else:
+            rule = PLACEMENT_WORDS[options.placement]
+            plural = "s" if nodes != 1 else ""
+            host = f"{nodes} node{plural} of {per_node} GPUs ({gpus} in all), each server placed {rule}"
         print(
             f"{_name(trace.source)}: {len(trace.sessions)} sessions ({len(gpu_sessions)} need GPUs, "
-            f"{cells} cells counted); host of {gpus} GPUs; static allocation reserves up to "
+            f"{cells} cells counted); {host}; static allocation reserves up to "
             f"{trace.static_peak()} at once"
         )
         print()
         print(table(results, capacities))
         print()
         print("delay: from a cell's start in the trace until it really starts (queue wait plus restore)")
-        if capacities is not None:
+        if nodes is not None:
+            print("per node: the least and the most GPU-hours held on one node, and sessions placed on one node")
+        if capacities is not None and nodes is None:
             print("capacity: fewest GPUs with p95 cell delay <= 5 s and no disruption ('none': not even "
                   f"{trace.static_peak()})")
+        elif capacities is not None:
+            print(f"capacity: GPUs of the fewest nodes of {per_node} with p95 cell delay <= 5 s and no disruption "
+                  f"('none': not even twice the nodes that hold {trace.static_peak()} GPUs)")
     if args.plot:
         # The plot comes last: a missing matplotlib or a bad path must not cost the results above.
         try:
-            plot(results, args.plot, title=f"{_name(trace.source)} on {gpus} GPUs")
+            where = f"{gpus} GPUs" if nodes is None else f"{nodes}x{per_node} GPUs ({options.placement})"
+            plot(results, args.plot, title=f"{_name(trace.source)} on {where}")
         except PlotUnavailable as err:
             return _fail("simulate", f"no plot written: {err}", status=1)
         except (OSError, ValueError) as err:  # a folder that is not there, a format it cannot write

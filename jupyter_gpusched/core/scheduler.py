@@ -84,14 +84,18 @@ class _Host:
         return found
 
 
-_last_host: _Host | None = None
+#: Hosts derived lately, by the identity of their tuple of devices: several brokers in one
+#: process (the simulator's nodes) take turns. A host holds its tuple, so no id is reused while
+#: it is here.
+_hosts: dict[int, _Host] = {}
 
 
 def _host(devices: tuple[Device, ...]) -> _Host:
-    global _last_host
-    host = _last_host
+    host = _hosts.get(id(devices))
     if host is None or host.devices is not devices:
-        host = _last_host = _Host(devices)
+        if len(_hosts) >= 64:
+            _hosts.clear()
+        host = _hosts[id(devices)] = _Host(devices)
     return host
 
 

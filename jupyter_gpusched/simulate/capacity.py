@@ -67,31 +67,49 @@ def find_capacity(
     A bisection between the largest single claim and the static need; it assumes that more GPUs
     never make things worse. ``known`` passes verdicts already at hand (host size -> good enough),
     for example of the run the user asked for, and collects the new ones.
+
+    On a cluster (``options.gpus_per_node``) the search is over whole nodes: the answer is the
+    GPUs of the fewest nodes that meet the target, from one node up to those that hold static
+    allocation's peak, and, where nodes left part full leave that short, up to twice as many.
     """
     verdicts = known if known is not None else {}
+    unit = options.gpus_per_node if options is not None and options.gpus_per_node else 1
 
-    def ok(gpus: int) -> bool:
+    def ok(count: int) -> bool:
+        gpus = count * unit
         if gpus not in verdicts:
             verdicts[gpus] = meets_target(trace, policy, gpus, options, progress)
         return verdicts[gpus]
 
-    high = max(trace.static_peak(), trace.largest_claim())
-    low = max(trace.largest_claim(per_cell=policy == "oracle"), 1)
+    need = max(trace.static_peak(), trace.largest_claim())
+    high = -(-need // unit)
+    low = -(-max(trace.largest_claim(per_cell=policy == "oracle"), 1) // unit)
+    if unit > 1:
+        # A session's claims stay on its node: the node must hold the largest of them.
+        low = max(low, 1)
     # Verdicts at hand narrow the search before any replay runs.
     for gpus, good in verdicts.items():
-        if good and low <= gpus < high:
-            high = gpus
+        if gpus % unit:
+            continue
+        count = gpus // unit
+        if good and low <= count < high:
+            high = count
     for gpus, good in verdicts.items():
-        if not good and low <= gpus + 1 <= high:
-            low = max(low, gpus + 1)
+        if gpus % unit:
+            continue
+        count = gpus // unit
+        if not good and low <= count + 1 <= high:
+            low = max(low, count + 1)
     if not trace.gpu_sessions:
         return 0
     if not ok(high):
-        return None
+        if unit == 1 or not ok(2 * high):
+            return None
+        low, high = high + 1, 2 * high
     while low < high:
         middle = (low + high) // 2
         if ok(middle):
             high = middle
         else:
             low = middle + 1
-    return high
+    return high * unit

@@ -23,6 +23,10 @@ How sessions use GPUs, per policy:
   ``cull_timeout`` is shut down, freeing its GPUs; the next cell the user runs finds it gone (a
   disruption), starts a new kernel and waits for GPUs again.
 
+With ``ReplayOptions.gpus_per_node`` the host is a cluster of nodes, each scheduled on its own
+(see :mod:`.nodes`): a session's server is placed on a node when it starts, and its leases only use
+that node's GPUs.
+
 A cell's delay is the time from its start in the trace to when it really starts (queue wait plus
 restore, plus any delay passed on by the cells before it: a session runs its cells one after
 another, each ``duration`` long, the next one at the later of its trace start and the previous
@@ -47,6 +51,8 @@ from ..core.model import (
     Step,
 )
 from ..core.scheduler import plan
+from ..kubernetes import choose_node
+from . import nodes as cluster
 from .progress import Progress, wanted
 from .trace import Session, Trace
 
@@ -85,7 +91,10 @@ class ReplayOptions:
     """How the simulated host behaves, beside the scheduling knobs in ``config``.
 
     ``config.policy`` is ignored: each replay sets the policy it runs. ``cull_timeout`` ``None``
-    means ``config.release_timeout`` (0: never cull).
+    means ``config.release_timeout`` (0: never cull). ``gpus_per_node``: the host is a cluster
+    of nodes of that many GPUs each (the GPUs a replay is given, divided among them), and
+    ``placement`` the rule that places each session's server on one (:mod:`.nodes`); ``None``:
+    one pool of GPUs.
     """
 
     config: SchedConfig = field(default_factory=SchedConfig)
@@ -96,6 +105,8 @@ class ReplayOptions:
         checkpoint=True, checkpoint_reason="the simulated driver can checkpoint", remap=True
     )
     device_memory: int = 80 * GiB
+    gpus_per_node: int | None = None
+    placement: str = "hook"
 
     def __post_init__(self) -> None:
         if self.bandwidth_gbps <= 0:
@@ -104,6 +115,12 @@ class ReplayOptions:
             raise SimulationError("the fixed restore cost must be 0 or more seconds")
         if self.cull_timeout is not None and self.cull_timeout < 0:
             raise SimulationError("cull timeout must be 0 or more seconds")
+        if self.gpus_per_node is not None and self.gpus_per_node < 1:
+            raise SimulationError("a node must have at least 1 GPU")
+        if self.placement not in cluster.PLACEMENTS:
+            raise SimulationError(
+                f"placement must be one of {', '.join(cluster.PLACEMENTS)}, not {self.placement!r}"
+            )
 
     def transfer_seconds(self, memory: int | None) -> float:
         """Time to checkpoint or restore ``memory`` bytes of GPU state."""
@@ -140,6 +157,13 @@ class Result:
     delays: tuple[float, ...] = ()
     #: Scheduling passes run.
     passes: int = 0
+    #: On a cluster of nodes (``ReplayOptions.gpus_per_node``): its shape, the placement rule,
+    #: and per node the GPU-hours held and the sessions placed there.
+    nodes: int = 1
+    gpus_per_node: int | None = None
+    placement: str | None = None
+    node_gpu_hours_held: tuple[float, ...] = ()
+    node_sessions: tuple[int, ...] = ()
 
     def metrics(self) -> dict[str, float | int | None]:
         """The section 9 fields, rounded for people (hours to 1/1000, seconds to 1/100)."""
@@ -220,6 +244,7 @@ class _Kernel:
         "cull_token",
         "gaps",
         "last_active_at",
+        "node",
     )
 
     def __init__(self, session: Session) -> None:
@@ -241,10 +266,45 @@ class _Kernel:
         # Idle history of a kernel whose lease was released, for its next claim.
         self.gaps: tuple[float, ...] = ()
         self.last_active_at: float | None = None
+        self.node: _Node | None = None  # where its server runs, from its start on
 
     @property
     def id(self) -> str:
         return self.session.id
+
+
+class _Node:
+    """One node: its GPUs, the live leases its broker schedules, its servers and GPUs held."""
+
+    __slots__ = (
+        "index",
+        "name",
+        "devices",
+        "leases",
+        "wake_gen",
+        "servers",
+        "sessions",
+        "held",
+        "held_since",
+        "held_seconds",
+    )
+
+    def __init__(self, index: int, name: str, devices: tuple[Device, ...]) -> None:
+        self.index = index
+        self.name = name
+        self.devices = devices
+        self.leases: dict[str, Lease] = {}
+        self.wake_gen = 0
+        self.servers = 0  # sessions running on it now
+        self.sessions = 0  # sessions ever placed on it
+        self.held = 0
+        self.held_since = 0.0
+        self.held_seconds = 0.0
+
+    def change_held(self, now: float, delta: int) -> None:
+        self.held_seconds += self.held * (now - self.held_since)
+        self.held += delta
+        self.held_since = now
 
 
 class _Replay:
@@ -264,18 +324,29 @@ class _Replay:
                 f"{'cell' if policy == 'oracle' else 'session'} asks for {need} GPUs at once"
             )
         self.gpus = gpus
-        self.devices = tuple(
-            Device(uuid=f"GPU-sim-{i:04d}", index=i, name="simulated GPU", memory_total=options.device_memory)
-            for i in range(gpus)
-        )
+        per_node = options.gpus_per_node
+        if per_node is None:
+            self.nodes = [_Node(0, "", self._devices(gpus, ""))]
+        else:
+            if gpus % per_node:
+                raise SimulationError(f"{gpus} GPUs are not a whole number of nodes of {per_node} GPUs")
+            # A session's server, and so each of its claims, stays on one node.
+            need = trace.largest_claim()
+            if per_node < need:
+                raise SimulationError(
+                    f"nodes of {per_node} GPUs cannot run this trace: a session asks for {need} GPUs at once"
+                )
+            names = cluster.node_names(gpus // per_node)
+            self.nodes = [_Node(i, name, self._devices(per_node, name)) for i, name in enumerate(names)]
+        self.by_name = {node.name: node for node in self.nodes}
+        self.changed: set[int] = set()
+        self.last_placed = len(self.nodes) - 1
         self.kernels = {s.id: _Kernel(s) for s in trace.gpu_sessions}
         if len(self.kernels) != len(trace.gpu_sessions):
             raise SimulationError("session ids in the trace are not unique")
-        self.leases: dict[str, Lease] = {}
         self.activity: dict[str, KernelActivity] = {}
         self.events: list[tuple] = []
         self.seq = 0
-        self.wake_gen = 0
         self.held = 0
         self.held_line: list[tuple[float, int]] = [(0.0, 0)]
         self.busy_changes: list[tuple[float, int]] = []
@@ -289,6 +360,13 @@ class _Replay:
         self.late_after_s = 5.0
         self.abort_on_disruption = False
         self.progress: Progress | None = None
+
+    def _devices(self, count: int, node: str) -> tuple[Device, ...]:
+        prefix = f"GPU-sim-{node}-" if node else "GPU-sim-"
+        memory = self.options.device_memory
+        return tuple(
+            Device(uuid=f"{prefix}{i:04d}", index=i, name="simulated GPU", memory_total=memory) for i in range(count)
+        )
 
     # -- the event loop ----------------------------------------------------------------------
     def push(self, at: float, kind: int, kernel: _Kernel | None, data: object = None) -> None:
@@ -333,37 +411,46 @@ class _Replay:
             instants += 1
             if self.progress is not None and instants % 256 == 0:
                 self.progress.update(now - first, last - first)
-            changed = False
+            # The nodes whose brokers have something new to look at, at this instant.
+            changed = self.changed
             while events and events[0][0] == now:
                 _, kind, _, kernel, data = heapq.heappop(events)
                 if kind == _WAKE:
-                    changed |= data == self.wake_gen
-                else:
-                    changed |= handlers[kind](kernel, now, data) is not False
-            if changed:
-                self.settle(now)
+                    node, gen = data
+                    if gen == node.wake_gen:
+                        changed.add(node.index)
+                elif handlers[kind](kernel, now, data) is not False and kernel.node is not None:
+                    changed.add(kernel.node.index)
+            self.settle_changed(now)
         return self.result()
 
-    def settle(self, now: float) -> None:
-        """Scheduling passes at ``now`` until nothing that was freed can be granted."""
+    def settle_changed(self, now: float) -> None:
+        """A pass of every broker with something new to look at, in node order."""
+        for index in sorted(self.changed):
+            self.settle(self.nodes[index], now)
+        self.changed.clear()
+
+    def settle(self, node: _Node, now: float) -> None:
+        """Scheduling passes of ``node``'s broker at ``now`` until nothing that was freed can be granted."""
         for _ in range(64):
-            result = plan(self.devices, self.leases.values(), self.activity, now, self.cfg, self.caps)
+            result = plan(node.devices, node.leases.values(), self.activity, now, self.cfg, self.caps)
             self.passes += 1
-            self.leases = {lease.id: lease for lease in result.leases}
+            node.leases = leases = {lease.id: lease for lease in result.leases}
             freed = False
             for decision in result.decisions:
                 if decision.kind == "grant":
-                    self.on_grant(self.leases[decision.lease.id], now)
+                    self.on_grant(leases[decision.lease.id], now)
                 elif decision.kind == "reclaim":
-                    freed |= self.on_reclaim(self.leases[decision.lease.id], now)
+                    freed |= self.on_reclaim(leases[decision.lease.id], now)
             if not (freed and result.queue):
                 break
-        self.wake_gen += 1
+        node.wake_gen += 1
         if result.next_wakeup is not None:
-            self.push(result.next_wakeup, _WAKE, None, self.wake_gen)
+            self.push(result.next_wakeup, _WAKE, None, (node, node.wake_gen))
 
     # -- bookkeeping ---------------------------------------------------------------------------
-    def change_held(self, now: float, delta: int) -> None:
+    def change_held(self, now: float, delta: int, node: _Node) -> None:
+        node.change_held(now, delta)
         self.held += delta
         if self.held_line[-1][0] == now:
             self.held_line[-1] = (now, self.held)
@@ -392,14 +479,14 @@ class _Replay:
             gaps = _with_spell(gaps, now - kernel.last_active_at)
         lease_id = f"{kernel.id}#{kernel.claims}"
         kernel.claims += 1
-        self.leases[lease_id] = new_claim(lease_id, kernel.id, kernel.session.user, now, count=count, gaps=gaps)
+        kernel.node.leases[lease_id] = new_claim(lease_id, kernel.id, kernel.session.user, now, count=count, gaps=gaps)
         kernel.lease_id = lease_id
         kernel.restore = 0.0
         kernel.resuming = False
 
     def release(self, kernel: _Kernel, now: float) -> bool:
         """Release the kernel's lease, if any; return whether GPUs were freed."""
-        lease = self.leases.pop(kernel.lease_id, None) if kernel.lease_id else None
+        lease = kernel.node.leases.pop(kernel.lease_id, None) if kernel.lease_id else None
         kernel.lease_id = None
         if lease is None:
             return False
@@ -407,7 +494,7 @@ class _Replay:
         kernel.gaps = lease.gaps
         kernel.last_active_at = lease.last_active_at
         if lease.holding:
-            self.change_held(now, -lease.count)
+            self.change_held(now, -lease.count, kernel.node)
             return True
         return False
 
@@ -418,7 +505,7 @@ class _Replay:
         if resumed.gaps == lease.gaps and lease.last_active_at is not None:
             resumed = replace(resumed, gaps=_with_spell(lease.gaps, now - lease.last_active_at))
         lease = resumed
-        self.leases[lease.id] = lease
+        kernel.node.leases[lease.id] = lease
         kernel.restore = self.options.transfer_seconds(lease.memory_held)
         kernel.resuming = True
 
@@ -457,7 +544,7 @@ class _Replay:
             # The culler shut the kernel down: the user finds it gone and starts a new one.
             kernel.culled = False
             self.disrupted()
-        lease = self.leases.get(kernel.lease_id) if kernel.lease_id else None
+        lease = kernel.node.leases.get(kernel.lease_id) if kernel.lease_id else None
         if lease is None:
             self.claim(kernel, now, kernel.session.gpus)
         elif lease.state == LeaseState.SUSPENDED:
@@ -492,21 +579,49 @@ class _Replay:
 
     # -- session lifetime and the culler -------------------------------------------------------
     def on_start(self, kernel: _Kernel, now: float, _data: object = None) -> bool:
+        if kernel.stopped:
+            return False  # a session without cells that stopped the instant it started
+        node = self.place(kernel, now)
+        kernel.node = node
+        node.servers += 1
+        node.sessions += 1
         if self.lazy or self.policy == "oracle":
             return False  # nothing to claim before the first cell
         self.claim(kernel, now, kernel.session.gpus)
         return True
+
+    def place(self, kernel: _Kernel, now: float) -> _Node:
+        """The node the session's server starts on."""
+        if len(self.nodes) == 1:
+            return self.nodes[0]
+        chosen = None
+        if self.options.placement == "hook":
+            # The brokers plan as soon as anything changes: the summaries the hook reads already
+            # count what happened before the spawn at this instant.
+            self.settle_changed(now)
+            summaries = {
+                node.name: cluster.summary(node.devices, node.leases.values(), now, self.cfg, self.caps)
+                for node in self.nodes
+            }
+            name = choose_node(summaries, kernel.session.gpus)
+            chosen = self.by_name[name] if name is not None else None
+        if chosen is None:
+            chosen = self.nodes[cluster.spread([node.servers for node in self.nodes], self.last_placed)]
+        self.last_placed = chosen.index
+        return chosen
 
     def on_stop(self, kernel: _Kernel, now: float, _data: object = None) -> None:
         if kernel.running or kernel.waiting or kernel.index < len(kernel.session.cells):
             kernel.stop_due = True  # the user is still running (delayed) cells
             return
         kernel.stopped = True
-        self.release(kernel, now)
+        if kernel.node is not None:
+            self.release(kernel, now)
+            kernel.node.servers -= 1
         self.activity.pop(kernel.id, None)
 
     def on_cull(self, kernel: _Kernel, now: float, token: object) -> bool:
-        lease = self.leases.get(kernel.lease_id) if kernel.lease_id else None
+        lease = kernel.node.leases.get(kernel.lease_id) if kernel.lease_id else None
         if token != kernel.cull_token or kernel.running or kernel.waiting or lease is None or not lease.holding:
             return False
         self.release(kernel, now)
@@ -518,7 +633,7 @@ class _Replay:
     # -- carrying out the core's decisions -----------------------------------------------------
     def on_grant(self, lease: Lease, now: float) -> None:
         kernel = self.kernels[lease.kernel_id]
-        self.change_held(now, lease.count)
+        self.change_held(now, lease.count, kernel.node)
         if kernel.resuming:
             self.restores += 1
         restore, kernel.restore, kernel.resuming = kernel.restore, 0.0, False
@@ -538,7 +653,7 @@ class _Replay:
             self.push(done, _SUSPENDED, kernel, lease.id)
             return False
         if step == Step.FREE_CACHE:
-            self.leases[lease.id] = step_done(lease, step, "framework caches dropped")
+            kernel.node.leases[lease.id] = step_done(lease, step, "framework caches dropped")
             return False
         if step is not None and step.disruptive:
             self.disrupted()
@@ -547,12 +662,12 @@ class _Replay:
         return self.release(kernel, now)
 
     def on_suspended(self, kernel: _Kernel, now: float, lease_id: object) -> bool:
-        lease = self.leases.get(lease_id)  # type: ignore[arg-type]
+        lease = kernel.node.leases.get(lease_id)  # type: ignore[arg-type]
         if lease is None or lease.state != LeaseState.RECLAIMING:
             return False  # released meanwhile (the session stopped)
         lease = suspended(lease, now)
-        self.leases[lease.id] = lease
-        self.change_held(now, -lease.count)
+        kernel.node.leases[lease.id] = lease
+        self.change_held(now, -lease.count, kernel.node)
         if kernel.waiting:
             self.resume(kernel, lease, now)
         return True
@@ -590,7 +705,24 @@ class _Replay:
             busy=tuple(busy_line),
             delays=delays,
             passes=self.passes,
+            **self.cluster(),
         )
+
+    def cluster(self) -> dict:
+        """The cluster's fields of the result (none for one pool of GPUs)."""
+        per_node = self.options.gpus_per_node
+        if per_node is None:
+            return {}
+        end = self.held_line[-1][0]
+        return {
+            "nodes": len(self.nodes),
+            "gpus_per_node": per_node,
+            "placement": self.options.placement,
+            "node_gpu_hours_held": tuple(
+                (node.held_seconds + node.held * (end - node.held_since)) / 3600.0 for node in self.nodes
+            ),
+            "node_sessions": tuple(node.sessions for node in self.nodes),
+        }
 
 
 def _with_spell(gaps: tuple[float, ...], spell: float) -> tuple[float, ...]:

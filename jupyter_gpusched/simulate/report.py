@@ -21,13 +21,33 @@ _COLUMNS = (
 )
 
 
+#: How each placement rule places a server, for a sentence.
+PLACEMENT_WORDS = {
+    "hook": "by the spawn hook's rule (the most free, then reclaimable GPUs)",
+    "spread": "by Kubernetes' default spreading (the fewest servers)",
+}
+
+
 def as_json(results: Mapping[str, Result], capacities: Mapping[str, int | None] | None = None) -> dict:
-    """One object keyed by policy name, each with the DESIGN section 9 fields (and ``capacity``)."""
+    """One object keyed by policy name, each with the DESIGN section 9 fields (and ``capacity``).
+
+    On a cluster of nodes each also has ``nodes``, ``gpus_per_node``, ``placement``,
+    ``gpu_hours_held_per_node`` and ``sessions_per_node`` (in node order), and ``capacity_nodes``.
+    """
     out = {}
     for policy, result in results.items():
         metrics = result.metrics()
+        if result.gpus_per_node is not None:
+            metrics["nodes"] = result.nodes
+            metrics["gpus_per_node"] = result.gpus_per_node
+            metrics["placement"] = result.placement
+            metrics["gpu_hours_held_per_node"] = [round(h, 3) for h in result.node_gpu_hours_held]
+            metrics["sessions_per_node"] = list(result.node_sessions)
         if capacities is not None:
-            metrics["capacity"] = capacities.get(policy)
+            capacity = capacities.get(policy)
+            metrics["capacity"] = capacity
+            if result.gpus_per_node is not None:
+                metrics["capacity_nodes"] = None if capacity is None else capacity // result.gpus_per_node
         out[policy] = metrics
     return out
 
@@ -44,6 +64,13 @@ def _cell(name: str, value: object) -> str:
     return str(value)
 
 
+def _span(ordered: list[str]) -> str:
+    """The least and the most of values already sorted, as ``least-most`` (one value alone)."""
+    if not ordered:
+        return "-"
+    return ordered[0] if ordered[0] == ordered[-1] else f"{ordered[0]}-{ordered[-1]}"
+
+
 def _seconds(value: float) -> str:
     if value < 100:
         return f"{value:.1f}s"
@@ -55,6 +82,9 @@ def _seconds(value: float) -> str:
 def table(results: Mapping[str, Result], capacities: Mapping[str, int | None] | None = None) -> str:
     """A fixed-width table, one row per policy."""
     columns = list(_COLUMNS)
+    cluster = any(result.gpus_per_node is not None for result in results.values())
+    if cluster:
+        columns += [("held_per_node", "GPU-h/node", ">"), ("sessions_per_node", "sessions/node", ">")]
     if capacities is not None:
         columns.append(("capacity", "capacity", ">"))
     rows = [[title for _, title, _ in columns]]
@@ -66,7 +96,15 @@ def table(results: Mapping[str, Result], capacities: Mapping[str, int | None] | 
                 row.append(policy)
             elif name == "capacity":
                 cap = capacities.get(policy) if capacities else None
-                row.append("none" if cap is None else str(cap))
+                text = "none" if cap is None else str(cap)
+                if cap is not None and result.gpus_per_node:
+                    text += f" ({cap // result.gpus_per_node}x{result.gpus_per_node})"
+                row.append(text)
+            elif name == "held_per_node":
+                held = sorted(result.node_gpu_hours_held)
+                row.append(_span([f"{h:,.0f}" if held[-1] >= 100 else f"{h:.1f}" for h in held]))
+            elif name == "sessions_per_node":
+                row.append(_span([str(n) for n in sorted(result.node_sessions)]))
             else:
                 row.append(_cell(name, metrics[name]))
         rows.append(row)
