@@ -17,6 +17,7 @@ from typing import Iterable, Sequence
 
 from . import fairness, idle, ladder
 from .model import Capabilities, Device, Lease, LeaseState, SchedConfig, Step
+from .placement import schedulable
 from .units import format_duration
 
 #: ``contended_by``: any waiting kernel can take the lease (borrowed capacity, or ``dynamic``).
@@ -166,3 +167,57 @@ def _reason(
     if pinned is not None:
         parts.append("kept until the `%gpu keep` time runs out")
     return "; ".join(parts)
+
+
+def gpu_states(
+    devices: Sequence[Device],
+    leases: Iterable[Lease],
+    now: float,
+    cfg: SchedConfig | None,
+    caps: Capabilities | None = None,
+) -> tuple[dict[str, str], dict[str, list[Lease]]]:
+    """What each GPU of a host offers a claim of another user, as a node broker's summary says it.
+
+    ``unavailable`` (it cannot be scheduled), ``free`` (no lease holds it), ``reclaimable`` (every
+    lease on it can be taken back for another user's claim: an idle lease the idle forecast says
+    someone waiting takes, or a lease already being reclaimed) or ``held``. Returns the state per
+    GPU uuid and the holding leases per GPU uuid. Without ``cfg`` no idle lease counts as
+    reclaimable.
+    """
+    live = [lease for lease in leases if lease.live]
+    usable = {d.uuid for d in schedulable(devices)}
+    holders: dict[str, list[Lease]] = {}
+    for lease in live:
+        if lease.holding:
+            for uuid in lease.devices:
+                holders.setdefault(uuid, []).append(lease)
+    takes_back: dict[str, bool] = {}
+
+    def reclaimable(lease: Lease) -> bool:
+        if lease.id not in takes_back:
+            if lease.state == LeaseState.RECLAIMING:
+                takes_back[lease.id] = True
+            elif lease.state != LeaseState.IDLE or cfg is None:
+                takes_back[lease.id] = False
+            else:
+                ahead = forecast(lease, live, now, cfg, caps or Capabilities(), devices)
+                takes_back[lease.id] = (
+                    ahead is not None
+                    and ahead.step is not None
+                    and ahead.contended_at is not None
+                    and ahead.contended_by != SAME_USER
+                )
+        return takes_back[lease.id]
+
+    states: dict[str, str] = {}
+    for device in devices:
+        held = holders.get(device.uuid, [])
+        if device.uuid not in usable:
+            states[device.uuid] = "unavailable"
+        elif not held:
+            states[device.uuid] = "free"
+        elif all(reclaimable(lease) for lease in held):
+            states[device.uuid] = "reclaimable"
+        else:
+            states[device.uuid] = "held"
+    return states, holders

@@ -14,9 +14,7 @@ from typing import Any
 from ..api.events import latest, shape
 from ..api.views import Principal, iso
 from ..arbiter import ArbiterEvent, HubPolicy, LocalArbiter
-from ..core import Lease, LeaseState
-from ..core.forecast import SAME_USER, forecast
-from ..core.placement import schedulable
+from ..core.forecast import gpu_states
 from .remote import RemoteKernels
 
 log = logging.getLogger("jupyter_gpusched.broker")
@@ -163,42 +161,11 @@ def node_summary(arbiter: LocalArbiter, node: str) -> dict:
     """
     ctx = arbiter.view_context()
     live = [lease for lease in ctx.leases if lease.live]
-    usable = {d.uuid for d in schedulable(ctx.devices)}
-    holders: dict[str, list[Lease]] = {}
-    for lease in live:
-        if lease.holding:
-            for uuid in lease.devices:
-                holders.setdefault(uuid, []).append(lease)
-    takes_back: dict[str, bool] = {}
-
-    def reclaimable(lease: Lease) -> bool:
-        if lease.id not in takes_back:
-            if lease.state == LeaseState.RECLAIMING:
-                takes_back[lease.id] = True
-            elif lease.state != LeaseState.IDLE or ctx.cfg is None:
-                takes_back[lease.id] = False
-            else:
-                ahead = forecast(lease, live, ctx.now, ctx.cfg, ctx.caps, ctx.devices)
-                takes_back[lease.id] = (
-                    ahead is not None and ahead.step is not None and ahead.contended_at is not None
-                    and ahead.contended_by != SAME_USER
-                )
-        return takes_back[lease.id]
-
+    states, holders = gpu_states(ctx.devices, live, ctx.now, ctx.cfg, ctx.caps)
     devices = []
-    free = reclaimable_gpus = 0
     for device in sorted(ctx.devices, key=lambda d: d.index):
         held = holders.get(device.uuid, [])
-        if device.uuid not in usable:
-            state = "unavailable"
-        elif not held:
-            state = "free"
-            free += 1
-        elif all(reclaimable(lease) for lease in held):
-            state = "reclaimable"
-            reclaimable_gpus += 1
-        else:
-            state = "held"
+        state = states[device.uuid]
         devices.append(
             {
                 "index": device.index,
@@ -217,9 +184,9 @@ def node_summary(arbiter: LocalArbiter, node: str) -> dict:
         "time": iso(ctx.now),
         "policy": arbiter.cfg.policy,
         "backend": arbiter.backend_name,
-        "gpus": len(usable),
-        "free": free,
-        "reclaimable": reclaimable_gpus,
+        "gpus": sum(1 for state in states.values() if state != "unavailable"),
+        "free": sum(1 for state in states.values() if state == "free"),
+        "reclaimable": sum(1 for state in states.values() if state == "reclaimable"),
         "pending": len(waiting),
         "leases": sum(1 for lease in live if lease.holding),
         "devices": devices,

@@ -18,9 +18,8 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from ..core.forecast import SAME_USER, forecast
+from ..core.forecast import gpu_states
 from ..core.model import Capabilities, Device, Lease, LeaseState, SchedConfig
-from ..core.placement import schedulable
 
 PLACEMENTS = ("hook", "spread")
 
@@ -54,43 +53,11 @@ def summary(
     ``pending`` counts the claims waiting.
     """
     live = [lease for lease in leases if lease.live]
-    usable = {d.uuid for d in schedulable(devices)}
-    holders: dict[str, list[Lease]] = {}
-    for lease in live:
-        if lease.holding:
-            for uuid in lease.devices:
-                holders.setdefault(uuid, []).append(lease)
-    takes_back: dict[str, bool] = {}
-
-    def reclaimable(lease: Lease) -> bool:
-        if lease.id not in takes_back:
-            if lease.state == LeaseState.RECLAIMING:
-                takes_back[lease.id] = True
-            elif lease.state != LeaseState.IDLE:
-                takes_back[lease.id] = False
-            else:
-                ahead = forecast(lease, live, now, cfg, caps, devices)
-                takes_back[lease.id] = (
-                    ahead is not None
-                    and ahead.step is not None
-                    and ahead.contended_at is not None
-                    and ahead.contended_by != SAME_USER
-                )
-        return takes_back[lease.id]
-
-    free = reclaimable_gpus = 0
-    for device in devices:
-        if device.uuid not in usable:
-            continue
-        held = holders.get(device.uuid)
-        if not held:
-            free += 1
-        elif all(reclaimable(lease) for lease in held):
-            reclaimable_gpus += 1
+    states, _ = gpu_states(devices, live, now, cfg, caps)
     return {
-        "gpus": len(usable),
-        "free": free,
-        "reclaimable": reclaimable_gpus,
+        "gpus": sum(1 for state in states.values() if state != "unavailable"),
+        "free": sum(1 for state in states.values() if state == "free"),
+        "reclaimable": sum(1 for state in states.values() if state == "reclaimable"),
         "pending": sum(1 for lease in live if lease.state == LeaseState.PENDING),
         "leases": sum(1 for lease in live if lease.holding),
     }
