@@ -6,7 +6,7 @@ Kept apart from the server so that the broker starts without importing jupyter_s
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Sequence
 
 from jupyter_core.paths import jupyter_runtime_dir
 from traitlets import Bool, Dict, Float, Int, List, TraitError, Unicode, Union, validate
@@ -29,6 +29,19 @@ SCHEDULING_TRAITS = (
     "quotas",
 )
 
+
+
+def one_of(name: str, choices: Sequence[str]) -> Any:
+    """A traitlets validator: ``name`` takes one of ``choices``, else a TraitError that lists them
+    (``'a' or 'b'`` for two, ``one of a, b, c`` for more). Assign it in the class body."""
+    said = f"{choices[0]!r} or {choices[1]!r}" if len(choices) == 2 else f"one of {', '.join(choices)}"
+
+    def check(self: Any, proposal: Any) -> Any:
+        if proposal["value"] not in choices:
+            raise TraitError(f"{name} must be {said}, not {proposal['value']!r}")
+        return proposal["value"]
+
+    return validate(name)(check)
 
 class SchedulingConfig(Configurable):
     """The scheduling traits shared by ``GPUSchedApp`` and the hub's ``GPUBroker``."""
@@ -120,29 +133,13 @@ class SchedulingConfig(Configurable):
         never pruned, whatever their age.""",
     ).tag(config=True)
 
-    @validate("backend")
-    def _valid_backend(self, proposal):
-        if proposal["value"] not in BACKENDS:
-            raise TraitError(f"backend must be one of {', '.join(BACKENDS)}, not {proposal['value']!r}")
-        return proposal["value"]
+    _valid_backend = one_of("backend", BACKENDS)
 
-    @validate("policy")
-    def _valid_policy(self, proposal):
-        if proposal["value"] not in POLICIES:
-            raise TraitError(f"policy must be one of {', '.join(POLICIES)}, not {proposal['value']!r}")
-        return proposal["value"]
+    _valid_policy = one_of("policy", POLICIES)
 
-    @validate("reclaim_fallback")
-    def _valid_fallback(self, proposal):
-        if proposal["value"] not in FALLBACKS:
-            raise TraitError(f"reclaim_fallback must be one of {', '.join(FALLBACKS)}, not {proposal['value']!r}")
-        return proposal["value"]
+    _valid_fallback = one_of("reclaim_fallback", FALLBACKS)
 
-    @validate("checkpoint")
-    def _valid_checkpoint(self, proposal):
-        if proposal["value"] not in ("auto", "off"):
-            raise TraitError(f"checkpoint must be 'auto' or 'off', not {proposal['value']!r}")
-        return proposal["value"]
+    _valid_checkpoint = one_of("checkpoint", ("auto", "off"))
 
     @validate(
         "idle_timeout", "contended_idle_timeout", "release_timeout", "grace_period", "max_keep"

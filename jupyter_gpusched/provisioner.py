@@ -23,6 +23,7 @@ from jupyter_client.provisioning import LocalProvisioner
 from traitlets import Int, Unicode, validate
 from traitlets import TraitError
 
+from .config import one_of
 from .core import SchedulingError, parse_memory
 from .kernel import limits
 
@@ -41,17 +42,9 @@ class GPUSchedProvisioner(LocalProvisioner):  # type: ignore[misc]
         config=True
     )
 
-    @validate("bind")
-    def _valid_bind(self, proposal):
-        if proposal["value"] not in ("lazy", "launch"):
-            raise TraitError(f"bind must be 'lazy' or 'launch', not {proposal['value']!r}")
-        return proposal["value"]
+    _valid_bind = one_of("bind", ("lazy", "launch"))
 
-    @validate("mode")
-    def _valid_mode(self, proposal):
-        if proposal["value"] not in ("exclusive", "shared"):
-            raise TraitError(f"mode must be 'exclusive' or 'shared', not {proposal['value']!r}")
-        return proposal["value"]
+    _valid_mode = one_of("mode", ("exclusive", "shared"))
 
     @validate("gpus")
     def _valid_gpus(self, proposal):

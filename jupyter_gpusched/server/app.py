@@ -8,9 +8,9 @@ import logging
 import os
 
 from jupyter_server.extension.application import ExtensionApp
-from traitlets import Bool, TraitError, Unicode, default, validate
+from traitlets import Bool, Unicode, default
 
-from ..config import SCHEDULING_TRAITS, SchedulingConfig, open_inventory
+from ..config import SCHEDULING_TRAITS, SchedulingConfig, one_of, open_inventory
 
 __all__ = ["GPUSchedApp", "SCHEDULING_TRAITS", "SchedulingConfig", "open_inventory"]
 
@@ -43,11 +43,7 @@ class GPUSchedApp(SchedulingConfig, ExtensionApp):
         lease's kernel).""",
     ).tag(config=True)
 
-    @validate("unleased_processes")
-    def _valid_unleased(self, proposal):
-        if proposal["value"] not in ("report", "kill"):
-            raise TraitError(f"unleased_processes must be 'report' or 'kill', not {proposal['value']!r}")
-        return proposal["value"]
+    _valid_unleased = one_of("unleased_processes", ("report", "kill"))
 
     mps = Unicode(
         "auto",
@@ -58,11 +54,7 @@ class GPUSchedApp(SchedulingConfig, ExtensionApp):
         hub mode) shared leases get the frameworks' own memory limits only.""",
     ).tag(config=True)
 
-    @validate("mps")
-    def _valid_mps(self, proposal):
-        if proposal["value"] not in ("auto", "off"):
-            raise TraitError(f"mps must be 'auto' or 'off', not {proposal['value']!r}")
-        return proposal["value"]
+    _valid_mps = one_of("mps", ("auto", "off"))
 
     show_holders = Bool(True, help="Show who holds each GPU (always true for a single user's server).").tag(
         config=True
