@@ -31,6 +31,43 @@ SCHEDULING_TRAITS = (
 
 
 
+#: The share of the host's RAM that checkpoints may hold, unless configured otherwise.
+DEFAULT_CHECKPOINT_HOST_MEMORY = "50%"
+
+
+def host_memory_budget(value: int | str, total: int | None = None) -> int | None:
+    """Bytes of ``checkpoint_host_memory``: ``value`` is bytes, a size (``'256GiB'``), a
+    percentage of ``total`` (the host's RAM as psutil reports it, where not given) or
+    ``'unlimited'`` (None). A TraitError says what is wrong with anything else."""
+    name = "checkpoint_host_memory"
+    if isinstance(value, str) and value.strip().lower() == "unlimited":
+        return None
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            percent = float(value.strip()[:-1])
+        except ValueError:
+            percent = float("nan")
+        if not 0 <= percent <= 100:
+            raise TraitError(f"{name} as a percentage must be between 0% and 100% of the host's RAM, not {value!r}")
+        if total is None:
+            import psutil
+
+            total = psutil.virtual_memory().total
+        return int(total * percent / 100)
+    if isinstance(value, int) and not isinstance(value, bool) and value == 0:
+        return 0
+    try:
+        size = core.parse_memory(value, name)
+    except core.SchedulingError:
+        size = None
+    if size is None:
+        raise TraitError(
+            f"{name} must be a number of bytes, a size such as '256GiB', a percentage of the host's "
+            f"RAM such as '50%', or 'unlimited', not {value!r}"
+        )
+    return size
+
+
 def one_of(name: str, choices: Sequence[str]) -> Any:
     """A traitlets validator: ``name`` takes one of ``choices``, else a TraitError that lists them
     (``'a' or 'b'`` for two, ``one of a, b, c`` for more). Assign it in the class body."""
@@ -133,6 +170,15 @@ class SchedulingConfig(Configurable):
         never pruned, whatever their age.""",
     ).tag(config=True)
 
+    checkpoint_host_memory = Union(
+        [Int(), Unicode()],
+        default_value=DEFAULT_CHECKPOINT_HOST_MEMORY,
+        help="""Host memory that checkpoints may hold together: a number of bytes, a size such as
+        '256GiB', a percentage of the host's RAM such as '50%', or 'unlimited'. A checkpoint moves
+        a kernel's GPU memory into host RAM; one that would go over this is not taken, and the
+        reclaim ladder goes on to its next step (the lease's reason says so).""",
+    ).tag(config=True)
+
     _valid_backend = one_of("backend", BACKENDS)
 
     _valid_policy = one_of("policy", POLICIES)
@@ -176,8 +222,16 @@ class SchedulingConfig(Configurable):
                 raise TraitError(f"quota for {key!r} must be a number of GPUs (0 or more)")
         return proposal["value"]
 
+    @validate("checkpoint_host_memory")
+    def _valid_host_budget(self, proposal):
+        host_memory_budget(proposal["value"], total=1)  # the words only; RAM is read at start
+        return proposal["value"]
+
     def sched_config(self) -> core.SchedConfig:
-        return core.SchedConfig(**{name: getattr(self, name) for name in SCHEDULING_TRAITS})
+        return core.SchedConfig(
+            checkpoint_host_memory=host_memory_budget(self.checkpoint_host_memory),
+            **{name: getattr(self, name) for name in SCHEDULING_TRAITS},
+        )
 
     def resolved_ledger_path(self) -> str:
         return self.ledger_path or os.path.join(jupyter_runtime_dir(), "gpusched.sqlite")

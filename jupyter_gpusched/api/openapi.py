@@ -272,7 +272,18 @@ SCHEMAS = {
             "checkpoint": {
                 "type": "object",
                 "required": ["available", "reason"],
-                "properties": {"available": {"type": "boolean"}, "reason": {"type": "string"}},
+                "properties": {
+                    "available": {"type": "boolean"},
+                    "reason": {"type": "string"},
+                    "host_memory_budget": {
+                        "type": ["integer", "null"],
+                        "description": "bytes of host memory checkpoints may hold together (checkpoint_host_memory); null: no limit",
+                    },
+                    "host_memory_held": {
+                        "type": "integer",
+                        "description": "bytes that checkpoints hold now (suspended kernels and those being checkpointed)",
+                    },
+                },
             },
             "devices": {"type": "array", "items": {"$ref": "#/components/schemas/Device"}},
             "leases": {"type": "array", "items": _LEASE},

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from ..api.views import Principal, ViewContext, device_json, iso, lease_json, queue_json
 from ..core import Lease
+from ..core.ladder import checkpoint_bytes
 from ..devices.base import DeviceSnapshot
 from .base import Forbidden
 
@@ -106,7 +107,12 @@ class LocalReads:
             "policy": self.cfg.policy,
             "user": who.user,
             "is_admin": who.admin,
-            "checkpoint": {"available": self.caps.checkpoint, "reason": self.caps.checkpoint_reason},
+            "checkpoint": {
+                "available": self.caps.checkpoint,
+                "reason": self.caps.checkpoint_reason,
+                "host_memory_budget": self.cfg.checkpoint_host_memory,
+                "host_memory_held": checkpoint_bytes(self.state.leases),
+            },
             "devices": [self.render_device(d, viewer, ctx) for d in self.state.snapshot],
             "leases": [self.render_lease(le, viewer, ctx) for le in self.state.leases],
             "queue": queue_json(queue, viewer),

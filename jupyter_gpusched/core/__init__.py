@@ -13,6 +13,7 @@ from .lifecycle import (
     request_resume,
     step_done,
     step_failed,
+    step_skipped,
     suspended,
     touch,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "request_resume",
     "step_done",
     "step_failed",
+    "step_skipped",
     "suspended",
     "touch",
 ]

@@ -83,7 +83,13 @@ def forecast(
     live = [le for le in leases if le.live and le.id != lease.id]
     live.append(lease)
     limits = idle.timeouts(lease, idle.host_prior(live), cfg)
-    step, how = ladder.choose_step(lease, cfg, caps)
+    budget = cfg.checkpoint_host_memory
+    room = None if budget is None else budget - ladder.checkpoint_bytes(live)
+    step, how = ladder.choose_step(lease, cfg, caps, room)
+    if step is not None and step != Step.CHECKPOINT and cfg.checkpoint == "auto" and caps.checkpoint:
+        skipped = ladder.over_budget(lease, room)
+    else:
+        skipped = None
     # The idle clock runs from the kernel's last activity; a running cell restarts it when it ends.
     since = now if lease.busy or lease.last_active_at is None else lease.last_active_at
     pinned = lease.keep_until if lease.keep_until is not None and lease.keep_until > now else None
@@ -117,7 +123,7 @@ def forecast(
         at,
         contended_at,
         by if sooner else None,
-        _reason(step, how, plain_limit, limits, threshold, by if sooner else None, pinned, cfg),
+        _reason(step, how, plain_limit, limits, threshold, by if sooner else None, pinned, cfg, skipped),
     )
 
 
@@ -148,10 +154,11 @@ def _reason(
     by: str | None,
     pinned: float | None,
     cfg: SchedConfig,
+    skipped: str | None = None,
 ) -> str:
     if step is None:
         return f"never taken back while idle ({how})"
-    parts = []
+    parts = [f"not checkpointed: {skipped}"] if skipped else []
     if plain_limit is None:
         parts.append("kept while nobody waits (release_timeout is 0)")
     else:

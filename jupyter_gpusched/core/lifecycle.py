@@ -180,6 +180,12 @@ def step_failed(lease: Lease, step: Step, reason: str) -> Lease:
     return _step_over(lease, step, f"{step.value} failed: {reason}")
 
 
+def step_skipped(lease: Lease, step: Step, reason: str) -> Lease:
+    """A step that was due could not be taken now (a checkpoint over ``checkpoint_host_memory``):
+    the next pass tries the next one."""
+    return _step_over(lease, step, f"{step.value} not taken: {reason}")
+
+
 def step_done(lease: Lease, step: Step, reason: str) -> Lease:
     """A step that frees memory but not the device (``free-cache``) was carried out."""
     return _step_over(lease, step, reason)

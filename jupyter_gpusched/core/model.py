@@ -200,6 +200,9 @@ class SchedConfig:
     backfill_wait: float = 120.0
     #: At most this many pending claims per user (0 = no cap).
     max_pending_per_user: int = 0
+    #: Bytes of host memory that checkpoints may hold together (``None``: no limit). A checkpoint
+    #: that would go over it is not taken; the reclaim ladder goes on to its next step.
+    checkpoint_host_memory: int | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -213,6 +216,8 @@ class SchedConfig:
         for name in ("idle_timeout", "contended_idle_timeout", "release_timeout", "grace_period", "max_keep"):
             if getattr(self, name) < 0:
                 raise SchedulingError(f"{name} must be 0 or more seconds")
+        if self.checkpoint_host_memory is not None and self.checkpoint_host_memory < 0:
+            raise SchedulingError("checkpoint_host_memory must be 0 or more bytes")
 
 
 @dataclass(frozen=True)

@@ -124,6 +124,12 @@ class _Pass:
         self._could_fit: dict[tuple, bool] = {}
         self.wakeups: list[float] = []
         self._live: list[Lease] | None = None
+        #: Bytes of ``checkpoint_host_memory`` not held by checkpoints (None: no limit), counted
+        #: on first use and lowered by each checkpoint this pass decides.
+        self._room: int | None = None
+        self._room_known = cfg.checkpoint_host_memory is None
+        #: Idle leases wanted back only because their step keeps the kernel's state.
+        self.gentle_only: set[str] = set()
 
     # -- helpers ---------------------------------------------------------------------------
     def set(self, lease: Lease, kind: str | None = None, reason: str = "", position: int | None = None) -> Lease:
@@ -136,6 +142,20 @@ class _Pass:
         if kind is not None:
             self.decisions.append(Decision(kind, lease, reason, position))
         return lease
+
+    def checkpoint_room(self) -> int | None:
+        if not self._room_known:
+            self._room = self.cfg.checkpoint_host_memory - ladder.checkpoint_bytes(self.live())
+            self._room_known = True
+        return self._room
+
+    def step_for(self, lease: Lease, reserve: bool = False) -> tuple[Step | None, str]:
+        """The ladder's step for ``lease`` within the checkpoint budget left; with ``reserve``,
+        a checkpoint chosen takes its share of the budget for the rest of the pass."""
+        step, how = ladder.choose_step(lease, self.cfg, self.caps, self.checkpoint_room())
+        if reserve and step == Step.CHECKPOINT and self._room is not None:
+            self._room -= lease.memory_held or 0
+        return step, how
 
     def wake(self, at: float | None) -> None:
         if at is not None and at > self.now:
@@ -486,17 +506,23 @@ class _Pass:
             return out
         now, cfg, caps = self.now, self.cfg, self.caps
         release_after = cfg.release_timeout if cfg.release_timeout > 0 else None
+        room = self.checkpoint_room()
         for lease in self.live():
             if lease.state not in HOLDING or lease.busy or lease.last_active_at is None or self.pinned(lease):
                 continue
             idle_for = lease.idle_seconds(now)
-            step, _ = ladder.choose_step(lease, cfg, caps)
+            step, _ = ladder.choose_step(lease, cfg, caps, room)
             gentle = step in _GENTLE
             timeouts = limits.of(lease)
             limit = timeouts.keep_after if gentle else release_after
             if limit is None:
                 continue
             if idle_for >= limit:
+                if step == Step.CHECKPOINT and room is not None:
+                    room -= lease.memory_held or 0
+                if gentle and (release_after is None or idle_for < release_after):
+                    # Taken back now only because the step keeps the kernel's state.
+                    self.gentle_only.add(lease.id)
                 if release_after is not None and limit >= release_after:
                     why = f"idle for over {format_duration(release_after)}, the release_timeout, with nobody waiting"
                 else:
@@ -529,8 +555,14 @@ class _Pass:
                 else:
                     self.wake(lease.reclaim_at)
                 continue
-            step, how = ladder.choose_step(lease, self.cfg, self.caps)
+            step, how = self.step_for(lease, reserve=True)
             if step is None:
+                continue
+            if step.disruptive and lease.id in self.gentle_only:
+                # The checkpoint it was due for no longer fits the host memory budget; a step
+                # that loses its state waits for release_timeout.
+                if self.cfg.release_timeout > 0 and lease.last_active_at is not None:
+                    self.wake(lease.last_active_at + self.cfg.release_timeout)
                 continue
             if step.disruptive:
                 at = self.now + self.cfg.grace_period

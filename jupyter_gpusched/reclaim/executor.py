@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 from .. import core, procs
 from ..arbiter.base import ArbiterEvent, Conflict, notice
-from ..core import Lease, LeaseState, Step
+from ..core import Lease, LeaseState, Step, ladder
+from ..core.ladder import checkpoint_bytes
 from ..ledger import Checkpoint
 from .checkpoint import CheckpointError
 
@@ -174,6 +176,11 @@ class ReclaimExecutor:
             await self._release_idle(lease, Step.CHECKPOINT)
             return
         held = lease.memory_held
+        over = self.over_budget(lease, pids)
+        if over is not None:
+            log.info("lease %s of kernel %s: not checkpointed: %s", lease.id, lease.kernel_id, over)
+            await arbiter.update(lease, lambda cur, now: core.step_skipped(cur, Step.CHECKPOINT, over))
+            return
         taken: list[Checkpoint] = []
         try:
             moved_total = 0
@@ -209,6 +216,25 @@ class ReclaimExecutor:
             ",".join(lease.devices),
         )
         self.reclaimed(done, Step.CHECKPOINT, "suspended", done.reason)
+
+    def over_budget(self, lease: Lease, pids: list[int]) -> str | None:
+        """Why checkpointing ``pids`` would take the host's checkpoints over
+        ``checkpoint_host_memory``, or None. The size is what those processes hold on the lease's
+        GPUs now (the pass decided on the last figure seen, which may have grown since)."""
+        arbiter = self.arbiter
+        budget = arbiter.cfg.checkpoint_host_memory
+        if budget is None:
+            return None
+        wanted = set(pids)
+        size = sum(
+            p.memory_used or 0
+            for device in arbiter.state.snapshot
+            if device.uuid in lease.devices
+            for p in device.processes
+            if p.pid in wanted
+        )
+        others = checkpoint_bytes(le for le in arbiter.state.leases if le.id != lease.id)
+        return ladder.over_budget(replace(lease, memory_held=size or lease.memory_held), budget - others)
 
     def _record(self, record: Checkpoint) -> None:
         with self.arbiter.ledger.transaction(self.arbiter.clock()) as tx:
