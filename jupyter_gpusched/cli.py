@@ -47,6 +47,13 @@ def _non_negative(text: str) -> float:
     return value
 
 
+def _positive(text: str) -> float:
+    value = _non_negative(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected more than 0, not {text}")
+    return value
+
+
 def _quota(text: str) -> tuple[str, float]:
     key, sep, value = text.rpartition("=")
     if not sep or not key or not (key == "*" or key.startswith(("user:", "group:"))):
@@ -70,6 +77,7 @@ def _nodes(text: str) -> tuple[int, int]:
 def _add_simulate(verbs: argparse._SubParsersAction) -> None:
     from .simulate import POLICIES
     from .simulate.nodes import PLACEMENTS
+    from .simulate.replay import CHECKPOINT_FIXED_S, CHECKPOINT_GBPS
 
     parser = verbs.add_parser(
         "simulate",
@@ -109,12 +117,30 @@ def _add_simulate(verbs: argparse._SubParsersAction) -> None:
         "the fewest servers)",
     )
     host.add_argument(
-        "--bandwidth", type=float, default=10.0, metavar="GBPS",
-        help="checkpoint/restore bandwidth in GB/s (default 10)",
+        "--bandwidth", type=_positive, default=None, metavar="GBPS",
+        help=f"per-GPU checkpoint and restore bandwidth in GB/s (default {CHECKPOINT_GBPS:g}, from published "
+        "cuda-checkpoint measurements; see the README)",
     )
     host.add_argument(
-        "--restore-fixed", type=_non_negative, default=0.3, metavar="S",
-        help="fixed cost of one checkpoint or restore in seconds (default 0.3)",
+        "--checkpoint-bandwidth", type=_positive, default=None, metavar="GBPS",
+        help="per-GPU checkpoint bandwidth in GB/s, if not --bandwidth",
+    )
+    host.add_argument(
+        "--restore-bandwidth", type=_positive, default=None, metavar="GBPS",
+        help="per-GPU restore bandwidth in GB/s, if not --bandwidth",
+    )
+    host.add_argument(
+        "--checkpoint-fixed", type=_non_negative, default=CHECKPOINT_FIXED_S, metavar="S",
+        help=f"fixed cost of one checkpoint in seconds (default {CHECKPOINT_FIXED_S:g})",
+    )
+    host.add_argument(
+        "--restore-fixed", type=_non_negative, default=CHECKPOINT_FIXED_S, metavar="S",
+        help=f"fixed cost of one restore in seconds (default {CHECKPOINT_FIXED_S:g})",
+    )
+    host.add_argument(
+        "--checkpoint-host-memory", type=_non_negative, default=None, metavar="GB",
+        help="host memory that checkpoints may hold at once, in GB (default: no limit); a checkpoint "
+        "that would go over it is not taken, as with the checkpoint_host_memory trait",
     )
     host.add_argument(
         "--cull-timeout", type=_duration, metavar="S",
@@ -181,6 +207,9 @@ def _simulate(args: argparse.Namespace) -> int:
             quotas=dict(args.quota),
             adaptive=args.adaptive,
             backfill_wait=args.backfill_wait,
+            checkpoint_host_memory=(
+                None if args.checkpoint_host_memory is None else int(args.checkpoint_host_memory * 10**9)
+            ),
         )
         if args.placement is not None and args.nodes is None:
             raise SimulationError("--placement places servers on nodes: give --nodes too (e.g. --nodes 8x8)")
@@ -192,7 +221,9 @@ def _simulate(args: argparse.Namespace) -> int:
             )
         options = ReplayOptions(
             config=config,
-            bandwidth_gbps=args.bandwidth,
+            checkpoint_gbps=args.checkpoint_bandwidth or args.bandwidth or ReplayOptions.checkpoint_gbps,
+            restore_gbps=args.restore_bandwidth or args.bandwidth or ReplayOptions.restore_gbps,
+            checkpoint_fixed_s=args.checkpoint_fixed,
             restore_fixed_s=args.restore_fixed,
             cull_timeout=args.cull_timeout,
             gpus_per_node=per_node,

@@ -167,16 +167,16 @@ def test_hybrid_takes_a_borrowed_idle_gpu_after_contended_idle_timeout():
     trace = parse_csv(TWO_USERS)
     result = simulate(trace, "hybrid", 1)
     # Fair share is half a GPU each, so alice's lease is borrowed: idle since 600 s, it is
-    # checkpointed at 600 + 60 s; 10 GB at 10 GB/s plus 0.3 s later bob gets the GPU.
+    # checkpointed at 600 + 60 s; 10 GB at 2 GB/s plus 2.7 s later bob gets the GPU.
     assert result.delays[0] == 0.0
-    assert result.delays[1] == pytest.approx(660 + 1.3 - 630)
+    assert result.delays[1] == pytest.approx(660 + 7.7 - 630)
     assert (result.suspends, result.restores, result.disruptions) == (1, 0, 0)
-    assert result.held == ((0.0, 1), (661.3, 1), (3600.0, 0))
+    assert result.held == ((0.0, 1), (667.7, 1), (3600.0, 0))
 
 
 def test_dynamic_reclaims_after_idle_timeout():
     result = simulate(parse_csv(TWO_USERS), "dynamic", 1)
-    assert result.delays[1] == pytest.approx(600 + 300 + 1.3 - 630)
+    assert result.delays[1] == pytest.approx(600 + 300 + 7.7 - 630)
 
 
 def test_without_checkpoint_a_reclaim_restarts_the_kernel():
@@ -196,12 +196,17 @@ def test_suspend_and_restore_cost_memory_over_bandwidth():
     )
     result = simulate(trace, "hybrid", 1)
     # Too few idle spells to learn from: the lease is kept for release_timeout (3600 s) after
-    # the cell, then checkpointed (20 GB / 10 GB/s + 0.3 s), and restored for the next cell.
+    # the cell, then checkpointed (20 GB / 2 GB/s + 2.7 s by default), and restored (as long)
+    # for the next cell.
     assert (result.suspends, result.restores, result.disruptions) == (1, 1, 0)
-    assert result.delays[1] == pytest.approx(2.3)
-    assert result.held == ((0.0, 1), (4202.3, 0), (14400.0, 1), (15002.3, 0))
-    slower = simulate(trace, "hybrid", 1, ReplayOptions(bandwidth_gbps=5, restore_fixed_s=1.0))
+    assert result.delays[1] == pytest.approx(12.7)
+    assert result.held == ((0.0, 1), (4212.7, 0), (14400.0, 1), (15012.7, 0))
+    assert result.peak_checkpoint_host_gb == pytest.approx(20.0)
+    slower = simulate(trace, "hybrid", 1, ReplayOptions(restore_gbps=5, restore_fixed_s=1.0))
     assert slower.delays[1] == pytest.approx(20 / 5 + 1.0)
+    assert slower.held[1] == (4212.7, 0)  # the checkpoint's own cost is unchanged
+    faster_out = simulate(trace, "hybrid", 1, ReplayOptions(checkpoint_gbps=10, checkpoint_fixed_s=0.5))
+    assert faster_out.held[1] == (4202.5, 0)
 
 
 def test_a_kernel_holding_no_gpu_memory_is_released_not_suspended():
@@ -267,7 +272,7 @@ def test_cli_json_is_one_object_keyed_by_policy(tmp_path, capsys):
     assert list(out) == list(POLICIES)
     for metrics in out.values():
         assert list(metrics) == [*METRICS, "capacity"]
-    assert out["hybrid"]["cell_delay_p99_s"] == pytest.approx(31.3 * 0.99, abs=0.01)
+    assert out["hybrid"]["cell_delay_p99_s"] == pytest.approx(37.7 * 0.99, abs=0.01)
     assert out["oracle"]["capacity"] == 1
 
 
@@ -277,7 +282,7 @@ def test_cli_table_plot_and_knobs(tmp_path, capsys):
     png = tmp_path / "held.png"
     code = main(
         ["simulate", "--trace", str(path), "--gpus", "1", "--policy", "dynamic", "--plot", str(png),
-         "--idle-timeout", "2m", "--restore-fixed", "0"]
+         "--idle-timeout", "2m", "--bandwidth", "10", "--checkpoint-fixed", "0"]
     )
     assert code == 0
     out = capsys.readouterr().out
@@ -285,7 +290,7 @@ def test_cli_table_plot_and_knobs(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # idle_timeout 2 minutes: checkpointed at 720 s, 10 GB at 10 GB/s: bob waits 91 s.
     assert main(["simulate", "--trace", str(path), "--gpus", "1", "--policy", "dynamic", "--json",
-                 "--idle-timeout", "120", "--restore-fixed", "0"]) == 0
+                 "--idle-timeout", "120", "--bandwidth", "10", "--checkpoint-fixed", "0"]) == 0
     assert json.loads(capsys.readouterr().out)["dynamic"]["cell_delay_p99_s"] == pytest.approx(91 * 0.99, abs=0.01)
 
 

@@ -39,6 +39,7 @@ import heapq
 from dataclasses import dataclass, field, replace
 
 from ..core import idle
+from ..core.ladder import checkpoint_bytes
 from ..core.lifecycle import new_claim, request_resume, step_done, suspended
 from ..core.model import (
     Capabilities,
@@ -70,9 +71,18 @@ METRICS = (
     "suspends",
     "restores",
     "peak_gpus_held",
+    "peak_checkpoint_host_gb",
+    "user_delay_p95_max_s",
 )
 
 GB = 10**9
+
+#: Per-GPU bandwidth of a CUDA checkpoint or restore between GPU and host memory, in GB/s, and the
+#: fixed cost of one, in seconds: published cuda-checkpoint measurements (the README cites them)
+#: put a restore of a few GB at several seconds and a whole-GPU toggle at about 15 s; each
+#: cuda-checkpoint call alone pays about 2.7 s to attach to the driver.
+CHECKPOINT_GBPS = 2.0
+CHECKPOINT_FIXED_S = 2.7
 
 # Events at one instant are handled in this order: what frees GPUs before what asks for them.
 _END, _SUSPENDED, _CULL, _STOP, _START, _READY, _WAKE = range(7)
@@ -98,8 +108,10 @@ class ReplayOptions:
     """
 
     config: SchedConfig = field(default_factory=SchedConfig)
-    bandwidth_gbps: float = 10.0
-    restore_fixed_s: float = 0.3
+    checkpoint_gbps: float = CHECKPOINT_GBPS
+    restore_gbps: float = CHECKPOINT_GBPS
+    checkpoint_fixed_s: float = CHECKPOINT_FIXED_S
+    restore_fixed_s: float = CHECKPOINT_FIXED_S
     cull_timeout: float | None = None
     capabilities: Capabilities = Capabilities(
         checkpoint=True, checkpoint_reason="the simulated driver can checkpoint", remap=True
@@ -109,10 +121,10 @@ class ReplayOptions:
     placement: str = "hook"
 
     def __post_init__(self) -> None:
-        if self.bandwidth_gbps <= 0:
+        if self.checkpoint_gbps <= 0 or self.restore_gbps <= 0:
             raise SimulationError("bandwidth must be more than 0 GB/s")
-        if self.restore_fixed_s < 0:
-            raise SimulationError("the fixed restore cost must be 0 or more seconds")
+        if self.checkpoint_fixed_s < 0 or self.restore_fixed_s < 0:
+            raise SimulationError("the fixed cost of a checkpoint or restore must be 0 or more seconds")
         if self.cull_timeout is not None and self.cull_timeout < 0:
             raise SimulationError("cull timeout must be 0 or more seconds")
         if self.gpus_per_node is not None and self.gpus_per_node < 1:
@@ -122,11 +134,18 @@ class ReplayOptions:
                 f"placement must be one of {', '.join(cluster.PLACEMENTS)}, not {self.placement!r}"
             )
 
-    def transfer_seconds(self, memory: int | None) -> float:
-        """Time to checkpoint or restore ``memory`` bytes of GPU state."""
+    def checkpoint_seconds(self, memory: int | None, gpus: int = 1) -> float:
+        """Time to checkpoint ``memory`` bytes of GPU state spread over ``gpus`` GPUs (each GPU's
+        share moves at the per-GPU bandwidth, all GPUs at once)."""
         if not memory:
             return 0.0
-        return memory / (self.bandwidth_gbps * GB) + self.restore_fixed_s
+        return memory / max(gpus, 1) / (self.checkpoint_gbps * GB) + self.checkpoint_fixed_s
+
+    def restore_seconds(self, memory: int | None, gpus: int = 1) -> float:
+        """Time to restore ``memory`` bytes of GPU state onto ``gpus`` GPUs."""
+        if not memory:
+            return 0.0
+        return memory / max(gpus, 1) / (self.restore_gbps * GB) + self.restore_fixed_s
 
     @property
     def effective_cull_timeout(self) -> float:
@@ -149,6 +168,10 @@ class Result:
     suspends: int
     restores: int
     peak_gpus_held: int
+    #: The most host memory that checkpoints held at once, in GB (10**9 bytes).
+    peak_checkpoint_host_gb: float = 0.0
+    #: The worst user's p95 cell delay: each user's cells apart, the highest of their p95s.
+    user_delay_p95_max_s: float = 0.0
     #: ``(time, GPUs held from then on)`` at every change.
     held: tuple[tuple[float, int], ...] = ()
     #: ``(time, GPUs busy from then on)`` at every change.
@@ -287,6 +310,7 @@ class _Node:
         "held",
         "held_since",
         "held_seconds",
+        "checkpoint_bytes",
     )
 
     def __init__(self, index: int, name: str, devices: tuple[Device, ...]) -> None:
@@ -296,6 +320,7 @@ class _Node:
         self.leases: dict[str, Lease] = {}
         self.wake_gen = 0
         self.servers = 0  # sessions running on it now
+        self.checkpoint_bytes = 0  # host memory its checkpoints hold, as of its last pass
         self.sessions = 0  # sessions ever placed on it
         self.held = 0
         self.held_since = 0.0
@@ -352,6 +377,9 @@ class _Replay:
         self.busy_changes: list[tuple[float, int]] = []
         self.delays: dict[str, list[float]] = {k: [] for k in self.kernels}
         self.disruptions = 0
+        #: Bytes that checkpoints hold on every node together (as of each node's last pass).
+        self.checkpoint_bytes = 0
+        self.peak_checkpoint_bytes = 0
         self.suspends = 0
         self.restores = 0
         self.passes = 0
@@ -444,6 +472,14 @@ class _Replay:
                     freed |= self.on_reclaim(leases[decision.lease.id], now)
             if not (freed and result.queue):
                 break
+        # Checkpoints grow only by what a pass decides: the peak is seen here.
+        before = node.checkpoint_bytes
+        node.checkpoint_bytes = checkpoint_bytes(node.leases.values())
+        if node.checkpoint_bytes > before:
+            self.checkpoint_bytes += node.checkpoint_bytes - before
+            self.peak_checkpoint_bytes = max(self.peak_checkpoint_bytes, self.checkpoint_bytes)
+        else:
+            self.checkpoint_bytes -= before - node.checkpoint_bytes
         node.wake_gen += 1
         if result.next_wakeup is not None:
             self.push(result.next_wakeup, _WAKE, None, (node, node.wake_gen))
@@ -506,7 +542,7 @@ class _Replay:
             resumed = replace(resumed, gaps=_with_spell(lease.gaps, now - lease.last_active_at))
         lease = resumed
         kernel.node.leases[lease.id] = lease
-        kernel.restore = self.options.transfer_seconds(lease.memory_held)
+        kernel.restore = self.options.restore_seconds(lease.memory_held, lease.count)
         kernel.resuming = True
 
     # -- cells -----------------------------------------------------------------------------------
@@ -649,7 +685,7 @@ class _Replay:
         step = lease.reclaim_step
         if step == Step.CHECKPOINT:
             self.suspends += 1
-            done = now + self.options.transfer_seconds(lease.memory_held)
+            done = now + self.options.checkpoint_seconds(lease.memory_held, lease.count)
             self.push(done, _SUSPENDED, kernel, lease.id)
             return False
         if step == Step.FREE_CACHE:
@@ -688,6 +724,9 @@ class _Replay:
             else:
                 busy_line.append((t, level))
         delays = tuple(d for kernel in self.kernels for d in self.delays[kernel])
+        by_user: dict[str, list[float]] = {}
+        for kernel_id, kernel in self.kernels.items():
+            by_user.setdefault(kernel.session.user, []).extend(self.delays[kernel_id])
         return Result(
             policy=self.policy,
             gpus=self.gpus,
@@ -701,6 +740,8 @@ class _Replay:
             suspends=self.suspends,
             restores=self.restores,
             peak_gpus_held=peak,
+            peak_checkpoint_host_gb=self.peak_checkpoint_bytes / GB,
+            user_delay_p95_max_s=max((percentile(d, 95) for d in by_user.values() if d), default=0.0),
             held=tuple(self.held_line),
             busy=tuple(busy_line),
             delays=delays,
