@@ -264,7 +264,11 @@ def _simulate(args: argparse.Namespace) -> int:
         print()
         print(table(results, capacities))
         print()
-        print("delay: from a cell's start in the trace until it really starts (queue wait plus restore)")
+        print("delay: from a cell's start in the trace until it really starts (queue wait plus restore); "
+              "worst user p95: the highest of each user's own p95")
+        budget = options.config.checkpoint_host_memory
+        print("checkpoints GB: the most host memory that checkpoints held at once"
+              + (f" (budget {budget / 10**9:g} GB)" if budget is not None else ""))
         if nodes is not None:
             print("per node: the least and the most GPU-hours held on one node, and sessions placed on one node")
         if capacities is not None and nodes is None:

@@ -14,10 +14,12 @@ _COLUMNS = (
     ("cell_delay_p50_s", "delay p50", ">"),
     ("cell_delay_p95_s", "p95", ">"),
     ("cell_delay_p99_s", "p99", ">"),
+    ("user_delay_p95_max_s", "worst user p95", ">"),
     ("disruptions", "disruptions", ">"),
     ("suspends", "suspends", ">"),
     ("restores", "restores", ">"),
     ("peak_gpus_held", "peak held", ">"),
+    ("peak_checkpoint_host_gb", "checkpoints GB", ">"),
 )
 
 
