@@ -95,6 +95,12 @@ def render_status(status: dict) -> str:
     ]
     if status.get("backend_note"):
         out.append(f"note: {status['backend_note']}")
+    checkpoint = status.get("checkpoint") or {}
+    if checkpoint.get("available") and "host_memory_held" in checkpoint:
+        budget = checkpoint.get("host_memory_budget")
+        held = format_bytes(checkpoint["host_memory_held"])
+        of = "no limit" if budget is None else f"{format_bytes(budget)} (checkpoint_host_memory)"
+        out.append(f"checkpoints hold {held} of host memory, of {of}")
     leases = {le["id"]: le for le in status["leases"]}
     rows = []
     for d in status["devices"]:

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from conftest import ServerProcess, free_port
+from jupyter_gpusched import core
 
 pytestmark = pytest.mark.slow
 
@@ -41,6 +42,10 @@ def test_status_release_and_drain(server):
     text = done.stdout
     assert "simulated backend, hybrid policy" in text
     assert lease["id"][:12] in text and "active" in text and "free" in text
+    import psutil
+
+    half = core.format_bytes(psutil.virtual_memory().total // 2)
+    assert f"checkpoints hold 0 B of host memory, of {half} (checkpoint_host_memory)" in text
 
     done = run_cli("status", "--json", *target)
     status = json.loads(done.stdout)
