@@ -120,3 +120,86 @@ def test_the_default_budget_is_half_of_the_hosts_ram():
 
     cfg = SchedulingConfig().sched_config()
     assert cfg.checkpoint_host_memory == psutil.virtual_memory().total // 2
+
+
+# -- the kernel's own memory limit (its cgroup; a pod's limit on Kubernetes) --------------------
+
+
+def _cgroup_tree(tmp_path, pid, lines_limit, usage=0, v1=None):
+    """A cgroup file system under ``tmp_path`` with ``pid``'s own cgroup path limited to ``lines_limit``."""
+    with open(f"/proc/{pid}/cgroup") as f:
+        lines = f.read().splitlines()
+    memory_line = next((ln for ln in lines if "memory" in ln.split(":")[1].split(",")), None)
+    if memory_line is not None:
+        path = memory_line.split(":", 2)[2]
+        folder = tmp_path / "memory" / path.strip("/")
+        files = ("memory.limit_in_bytes", "memory.usage_in_bytes")
+    else:
+        path = next(ln for ln in lines if ln.startswith("0::")).split(":", 2)[2]
+        folder = tmp_path / path.strip("/")
+        files = ("memory.max", "memory.current")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / files[0]).write_text(f"{lines_limit}\n")
+    (folder / files[1]).write_text(f"{usage}\n")
+    return tmp_path
+
+
+def test_memory_room_reads_cgroup_v1_and_v2_and_takes_the_tightest_ancestor(tmp_path):
+    from jupyter_gpusched import procs
+
+    proc = tmp_path / "proc"
+    (proc / "7").mkdir(parents=True)
+    (proc / "7" / "cgroup").write_text("0::/kubepods/pod1/ctr\n")
+    v2 = tmp_path / "v2"
+    for folder, limit, used in (("kubepods/pod1", 8 * GiB, 6 * GiB), ("kubepods/pod1/ctr", "max", 5 * GiB)):
+        (v2 / folder).mkdir(parents=True)
+        (v2 / folder / "memory.max").write_text(f"{limit}\n")
+        (v2 / folder / "memory.current").write_text(f"{used}\n")
+    assert procs.memory_room(7, proc=str(proc), root=str(v2)) == 2 * GiB
+
+    (proc / "8").mkdir()
+    (proc / "8" / "cgroup").write_text("4:memory:/lab/k\n3:cpu:/\n0::/\n")
+    v1 = tmp_path / "v1"
+    (v1 / "memory" / "lab" / "k").mkdir(parents=True)
+    (v1 / "memory" / "lab" / "k" / "memory.limit_in_bytes").write_text(f"{4 * GiB}\n")
+    (v1 / "memory" / "lab" / "k" / "memory.usage_in_bytes").write_text(f"{GiB}\n")
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # no limit
+    assert procs.memory_room(8, proc=str(proc), root=str(v1)) == 3 * GiB
+
+    (v1 / "memory" / "lab" / "k" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    assert procs.memory_room(8, proc=str(proc), root=str(v1)) is None
+    assert procs.memory_room(9, proc=str(proc), root=str(v1)) is None  # no such process
+    assert procs.memory_room(7, proc=str(proc), root=str(tmp_path / "nothing")) is None
+
+
+async def test_a_checkpoint_that_the_kernels_memory_limit_cannot_hold_is_not_taken(
+    jp_fetch, gpu_kernelspec, start_kernel, arbiter, tmp_path, monkeypatch
+):
+    """The checkpoint lands in the kernel process's own memory: over its cgroup's limit, the kernel
+    would be killed. It is not taken; the kernel and its GPU memory are left alone."""
+    from jupyter_gpusched import procs
+
+    gpu_kernelspec("gpu")
+    k = await start_kernel("gpu")
+    out = await k.execute(
+        "import os; from jupyter_gpusched.devices import simulated; simulated.allocate('4GiB'); print(os.getpid())"
+    )
+    assert out["error"] is None, out
+    pid = int(out["stdout"].split()[-1])
+    monkeypatch.setattr(procs, "CGROUP_ROOT", str(_cgroup_tree(tmp_path / "cgroup", pid, 3 * GiB, usage=GiB)))
+    monkeypatch.setattr(arbiter, "cfg", replace(arbiter.cfg, checkpoint_host_memory=None))  # only the cgroup
+    await arbiter.tick()
+    lease = arbiter.live_lease((await _lease_of(jp_fetch, k.id))["id"])
+
+    def due_for_checkpoint(cur, now):
+        return replace(cur, state=LeaseState.RECLAIMING, reclaim_step=Step.CHECKPOINT, reclaim_at=now)
+
+    arbiter.reclaims.carry_out_due([await arbiter.update(lease, due_for_checkpoint)])
+    await _until(lambda: _state_is(jp_fetch, lease.id, "idle"), what="the checkpoint to be turned down")
+    got = (await api(jp_fetch, "leases", lease.id))[1]
+    assert got["reason"] == (
+        f"checkpoint not taken: process {pid}'s 4.0 GiB of GPU memory would not fit in the 2.0 GiB "
+        "its memory limit (cgroup) leaves it"
+    )
+    out = await k.execute("print(simulated.memory_allocated())")
+    assert out["stdout"].strip() == str(4 * GiB)

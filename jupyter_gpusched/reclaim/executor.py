@@ -218,23 +218,33 @@ class ReclaimExecutor:
         self.reclaimed(done, Step.CHECKPOINT, "suspended", done.reason)
 
     def over_budget(self, lease: Lease, pids: list[int]) -> str | None:
-        """Why checkpointing ``pids`` would take the host's checkpoints over
-        ``checkpoint_host_memory``, or None. The size is what those processes hold on the lease's
-        GPUs now (the pass decided on the last figure seen, which may have grown since)."""
+        """Why checkpointing ``pids`` must not be done now, or None: it would take the host's
+        checkpoints over ``checkpoint_host_memory``, or a process's share would not fit in what
+        its memory cgroup (a pod's limit) leaves it, where the checkpoint would get it killed.
+        Sizes are what the processes hold on the lease's GPUs now (the pass decided on the last
+        figure seen, which may have grown since)."""
         arbiter = self.arbiter
+        sizes: dict[int, int] = {}
+        for device in arbiter.state.snapshot:
+            if device.uuid in lease.devices:
+                for p in device.processes:
+                    if p.pid in pids:
+                        sizes[p.pid] = sizes.get(p.pid, 0) + (p.memory_used or 0)
+        size = sum(sizes.values()) or lease.memory_held or 0
         budget = arbiter.cfg.checkpoint_host_memory
-        if budget is None:
-            return None
-        wanted = set(pids)
-        size = sum(
-            p.memory_used or 0
-            for device in arbiter.state.snapshot
-            if device.uuid in lease.devices
-            for p in device.processes
-            if p.pid in wanted
-        )
-        others = checkpoint_bytes(le for le in arbiter.state.leases if le.id != lease.id)
-        return ladder.over_budget(replace(lease, memory_held=size or lease.memory_held), budget - others)
+        if budget is not None:
+            others = checkpoint_bytes(le for le in arbiter.state.leases if le.id != lease.id)
+            over = ladder.over_budget(replace(lease, memory_held=size), budget - others)
+            if over is not None:
+                return over
+        for pid, held in sorted(sizes.items()):
+            room = procs.memory_room(pid)
+            if room is not None and held > room:
+                return (
+                    f"process {pid}'s {core.format_bytes(held)} of GPU memory would not fit in the "
+                    f"{core.format_bytes(room)} its memory limit (cgroup) leaves it"
+                )
+        return None
 
     def _record(self, record: Checkpoint) -> None:
         with self.arbiter.ledger.transaction(self.arbiter.clock()) as tx:
