@@ -307,7 +307,9 @@ def test_a_real_mps_control_daemon_starts_and_quits(tmp_path):
     from jupyter_gpusched.devices.nvml import NvmlBackend
 
     backend = NvmlBackend()
-    uuids = [d.uuid for d in backend.snapshot() if not d.parent_uuid][:1]
+    whole = [d for d in backend.snapshot() if not d.parent_uuid][:1]
+    uuids = [d.uuid for d in whole]
+    totals = {d.uuid: d.memory_total for d in whole}
     backend.close()
     mps = MPS("auto", str(tmp_path / "mps"))
     mps.start(uuids)
@@ -316,8 +318,10 @@ def test_a_real_mps_control_daemon_starts_and_quits(tmp_path):
         daemon = mps.daemons[uuids[0]]
         assert mps.running(daemon)
         # A client with a 4 GiB share's environment: 3 GiB fit, 2 GiB more do not.
-        limits = L.limits_for(_lease(memory=4 * GiB, devices=uuids), {}, L.MpsInfo(**mps.info()))
+        # With its compute share too, which the MPS server takes from the client's environment.
+        limits = L.limits_for(_lease(memory=4 * GiB, devices=uuids), totals, L.MpsInfo(**mps.info()))
         env = {**os.environ, **limits.environment(), "CUDA_VISIBLE_DEVICES": uuids[0]}
+        assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == str(-(-400 * GiB // totals[uuids[0]]))
         done = subprocess.run([sys.executable, "-c", MPS_CLIENT], env=env, capture_output=True, text=True, timeout=120)
         assert done.stdout.split() == ["0", "2"], (done.stdout, done.stderr)  # 2: CUDA_ERROR_OUT_OF_MEMORY
     finally:
