@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from jupyter_gpusched.core import Capabilities, Device, GiB, Lease, LeaseState, SchedConfig, Step, plan
 from jupyter_gpusched.core.forecast import ANYONE, SAME_USER, forecast
+from jupyter_gpusched.core.ladder import OVER_SHARE_SLACK
 
 T0 = 1_000_000.0
 DEVICES = (Device("G0", 0), Device("G1", 1))
@@ -193,6 +194,10 @@ def test_the_forecast_is_what_the_scheduler_does(
         keep_until=T0 + keep if keep else None,
     )
     other = replace(busy_other(), gaps=tuple(other_gaps))
+    # The forecast is of idle reclaim. A shared lease over its memory share (here 2 GiB held of
+    # a 1 GiB share, on a GPU of its own) gets the over-share response whether idle or not, from
+    # the first pass on (tests/test_core_over_share.py): not what this compares.
+    assume(not (shared and memory_held is not None and memory_held > 1 * GiB + OVER_SHARE_SLACK))
     fc, leases = expect([mine, other], cfg, caps)
     settled = next(le for le in leases if le.id == "a")
     if settled.state == LeaseState.RECLAIMING and not settled.reclaim_step.disruptive:

@@ -244,3 +244,54 @@ def test_states_are_the_strings_the_server_sends():
     assert LeaseState.ACTIVE == "active" and LeaseState("suspended") is LeaseState.SUSPENDED
     assert ReclaimStep.FREE_CACHE == "free-cache" and f"{ReclaimStep.FREE_CACHE}" == "free-cache"
     assert str(LeaseState.RELEASED) == "released"
+
+
+# -- a shared lease over its memory share -------------------------------------------------------
+OVER = "over its memory share: its processes hold more than the 16.0 GiB it claimed on GPU 0"
+
+
+def shared_lease(state="active", over=True, reason=f"{OVER}; its framework caches are dropped if it stays over", **extra):
+    return lease(
+        state, mode="shared", memory=16 << 30, over_share_since=at(-5) if over else None, reason=reason, **extra
+    )
+
+
+def said(found):
+    """The kinds shown where no countdown is on screen (a countdown's end is shown only in its place)."""
+    return [k for k in kinds(found) if k not in COUNTDOWN_ENDS]
+
+
+def test_over_the_share_is_said_once_with_what_happens_next():
+    within = shared_lease(over=False, reason="granted GPU 0")
+    over = shared_lease()
+    found = notices(within, over, NOW)
+    assert said(found) == [NoticeKind.OVER_SHARE]
+    assert found[0].text == (
+        f"GPU 0: {OVER}; its framework caches are dropped if it stays over. Free GPU memory (delete large "
+        "arrays or tensors) to stay within the share this kernel claimed."
+    )
+    assert said(notices(over, over, NOW)) == [], "said once"
+    # The free-cache step, then what comes after it: said again, as the reason changed.
+    cache = shared_lease("reclaiming", reason=f"{OVER}; dropping its framework caches", reclaim_step="free-cache", reclaim_at=at(0))
+    assert said(notices(over, cache, NOW)) == [NoticeKind.FREE_CACHE]
+    keeps = shared_lease(reason=f"{OVER}; ... nobody else uses GPU 0 or waits for it, so the kernel keeps running")
+    found = notices(cache, keeps, NOW)
+    assert NoticeKind.OVER_SHARE in kinds(found) and "so the kernel keeps running" in found[-1].text
+    back = shared_lease(over=False, reason="back within its memory share")
+    found = notices(keeps, back, NOW)
+    assert said(found) == [NoticeKind.OVER_SHARE] and found[0].text == "GPU 0: back within its memory share."
+
+
+def test_the_over_share_countdown_says_to_free_memory_not_to_keep():
+    restart = shared_lease(
+        "reclaiming", reason=f"{OVER} ... so the kernel will be restarted", reclaim_step="restart", reclaim_at=at(55)
+    )
+    found = notices(shared_lease(), restart, NOW)
+    assert kinds(found) == [NoticeKind.RECLAIM_WARNING]
+    assert "free GPU memory (delete large arrays or tensors) to keep it." in found[0].text
+    assert "%gpu keep" not in found[0].text and "Then the kernel restarts" in found[0].text
+    # Called off, back within the share: the countdown's end says why, nothing more.
+    back = shared_lease(over=False, reason="back within its memory share: the restart is off")
+    found = notices(restart, back, NOW)
+    assert kinds(found) == [NoticeKind.RECLAIM_CANCELLED]
+    assert "back within its memory share: the restart is off" in found[0].text

@@ -85,6 +85,7 @@ def full_lease(**changes) -> Lease:
         released_at=1700009999.0,
         reason="idle and bob's claim is waiting; checkpoint ✓",
         version=7,
+        over_share_since=1700000050.5,
     )
     return replace(lease, **changes)
 
@@ -176,6 +177,7 @@ lease_strategy = st.builds(
     released_at=st.none() | FLOATS,
     reason=st.text(),
     version=INT64,
+    over_share_since=st.none() | FLOATS,
 )
 
 
@@ -398,9 +400,10 @@ def test_migrates_a_version_1_file(tmp_path):
     path = tmp_path / "v1.sqlite"
     write_v1(path)
     with Ledger(path) as led:
-        assert led.schema_version == SCHEMA_VERSION == 4
+        assert led.schema_version == SCHEMA_VERSION == 5
         old = led.lease("old")
         assert old.state == LeaseState.ACTIVE and old.devices == ("GPU-0",) and old.gaps == (2.5,)
+        assert old.over_share_since is None, "version 5's column, empty for a lease written before it"
         assert [(e.kind, e.pid) for e in led.events()] == [("claim", None), ("grant", None)]
         # What version 2 added works on the migrated file.
         with led.transaction() as tx:

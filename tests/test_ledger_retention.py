@@ -15,7 +15,7 @@ import pytest
 
 from jupyter_gpusched.core import Device, LeaseState, SchedConfig, new_claim, plan, released, suspended
 from jupyter_gpusched.ledger import MIGRATIONS, SCHEMA_VERSION, Checkpoint, Ledger, LedgerError, OwnerId
-from jupyter_gpusched.ledger.rows import COLUMN_LIST, LEASE_COLUMNS, to_row
+from jupyter_gpusched.ledger.rows import LEASE_COLUMNS, to_row
 
 DEVICES = [Device(uuid=f"GPU-{i}", index=i) for i in range(6)]
 WORKER = str(Path(__file__).with_name("ledger_worker.py"))
@@ -235,8 +235,11 @@ def write_v3(path, *extra_sql):
             lease = released(lease, 30.0, "done")
         else:
             lease = replace(lease, state=LeaseState.ACTIVE, devices=(device,), granted_at=21.0, version=1)
-        marks = ", ".join("?" for _ in LEASE_COLUMNS)
-        raw.execute(f"INSERT INTO leases ({COLUMN_LIST}) VALUES ({marks})", to_row(lease))
+        # The columns version 3 had: version 5 added over_share_since, the last one.
+        columns = LEASE_COLUMNS[: LEASE_COLUMNS.index("over_share_since")]
+        marks = ", ".join("?" for _ in columns)
+        names = ", ".join(f'"{c}"' for c in columns)
+        raw.execute(f"INSERT INTO leases ({names}) VALUES ({marks})", to_row(lease)[: len(columns)])
         for kind in kinds:
             devices = "[]" if kind == "claim" else json.dumps([device])
             raw.execute(
@@ -267,7 +270,7 @@ def test_migrates_a_version_3_file(tmp_path):
     write_v3(path)
     assert "leases_state" in indexes(path)
     with Ledger(path) as led:
-        assert led.schema_version == SCHEMA_VERSION == 4
+        assert led.schema_version == SCHEMA_VERSION == 5
         assert led.check(DEVICES) == [] and led.pruned() is None
         assert ids(led.leases()) == {"live"} and set(led.owners()) == {"live"}
         assert led.prune(older_than=100.0) == 1

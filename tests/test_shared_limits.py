@@ -96,6 +96,29 @@ def test_an_mps_client_gets_the_daemons_directories_and_a_pinned_limit():
     assert "enforced by the driver" in limits.describe()
 
 
+def test_an_mps_client_gets_its_memory_shares_part_of_the_gpus_compute():
+    # 16 GiB of 80 GiB: 20 %.
+    limits = L.limits_for(_lease(), {"GPU-a": 80 * GiB}, RUNNING)
+    assert limits.thread_percentage == 20
+    assert limits.environment()["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "20"
+    assert "MPS pinned device memory limit and 20% of the GPU's compute (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE)" in (
+        limits.describe()
+    )
+    # Rounded up to a whole percent, at least 1, at most 100.
+    assert L.limits_for(_lease(memory=12 * GiB + 512 * 1024**2), {"GPU-a": 80 * GiB}, RUNNING).thread_percentage == 16
+    assert L.limits_for(_lease(memory=1024**2), {"GPU-a": 80 * GiB}, RUNNING).thread_percentage == 1
+    assert L.limits_for(_lease(memory=80 * GiB), {"GPU-a": 80 * GiB}, RUNNING).thread_percentage == 100
+    assert L.limits_for(_lease(memory=10 * GiB), {"GPU-a": 40 * GiB}, RUNNING).environment()[
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+    ] == "25"
+    # The GPU's memory unknown: no compute share, and status says so.
+    unknown = L.limits_for(_lease(), {}, RUNNING)
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in unknown.environment()
+    assert "no compute share: the GPU's memory is unknown" in unknown.describe()
+    # Without MPS the variable is never set.
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in L.limits_for(_lease(), {"GPU-a": 80 * GiB}, ABSENT).environment()
+
+
 def test_mps_serves_single_gpu_leases_on_a_gpu_with_a_daemon():
     two = L.limits_for(_lease(devices=["GPU-a", "GPU-b"]), {}, RUNNING)
     assert two.mps is None and "single-GPU" in two.describe()
@@ -171,6 +194,13 @@ def test_status_shows_the_limit_and_what_enforces_it():
     assert "no MPS on this host" in html_text
     released = {**lease, "state": "released"}
     assert "Memory limit" not in render.status_report(status, None, released, 0.0)[0]
+    # With MPS: the memory limit and the compute share, enforced by the driver.
+    status["limits"] = L.limits_for(lease, {"GPU-a": 80 * GiB}, RUNNING).describe()
+    text = render.status_report(status, None, lease, 0.0)[0]
+    assert (
+        "Memory limit 16.0 GiB per GPU: MPS pinned device memory limit and 20% of the GPU's compute "
+        "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE) (enforced by the driver)"
+    ) in text
 
 
 def test_a_module_imported_later_runs_the_callback_after_its_own_code(tmp_path, monkeypatch):
@@ -277,7 +307,9 @@ def test_a_real_mps_control_daemon_starts_and_quits(tmp_path):
     from jupyter_gpusched.devices.nvml import NvmlBackend
 
     backend = NvmlBackend()
-    uuids = [d.uuid for d in backend.snapshot() if not d.parent_uuid][:1]
+    whole = [d for d in backend.snapshot() if not d.parent_uuid][:1]
+    uuids = [d.uuid for d in whole]
+    totals = {d.uuid: d.memory_total for d in whole}
     backend.close()
     mps = MPS("auto", str(tmp_path / "mps"))
     mps.start(uuids)
@@ -286,8 +318,10 @@ def test_a_real_mps_control_daemon_starts_and_quits(tmp_path):
         daemon = mps.daemons[uuids[0]]
         assert mps.running(daemon)
         # A client with a 4 GiB share's environment: 3 GiB fit, 2 GiB more do not.
-        limits = L.limits_for(_lease(memory=4 * GiB, devices=uuids), {}, L.MpsInfo(**mps.info()))
+        # With its compute share too, which the MPS server takes from the client's environment.
+        limits = L.limits_for(_lease(memory=4 * GiB, devices=uuids), totals, L.MpsInfo(**mps.info()))
         env = {**os.environ, **limits.environment(), "CUDA_VISIBLE_DEVICES": uuids[0]}
+        assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == str(-(-400 * GiB // totals[uuids[0]]))
         done = subprocess.run([sys.executable, "-c", MPS_CLIENT], env=env, capture_output=True, text=True, timeout=120)
         assert done.stdout.split() == ["0", "2"], (done.stdout, done.stderr)  # 2: CUDA_ERROR_OUT_OF_MEMORY
     finally:

@@ -204,6 +204,13 @@ SCHEMAS = {
             },
             "keep_until": _TIME,
             "memory_held": {"type": ["integer", "null"]},
+            "over_share_since": {
+                **_TIME,
+                "description": (
+                    "when a shared lease's processes were first seen holding more than its memory "
+                    "share (what happens next is in reason); null: within it"
+                ),
+            },
             "reason": {"type": "string"},
             "mine": {"type": "boolean"},
             "idle_forecast": {

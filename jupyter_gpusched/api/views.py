@@ -111,6 +111,7 @@ def lease_json(
         "reclaim_step": lease.reclaim_step.value if lease.reclaim_step else None,
         "keep_until": iso(lease.keep_until),
         "memory_held": lease.memory_held,
+        "over_share_since": iso(lease.over_share_since),
         "reason": lease.reason if visible else "",
         "mine": viewer.owns(lease) and not (viewer.admin and lease.user != viewer.user),
         "idle_forecast": idle_forecast,

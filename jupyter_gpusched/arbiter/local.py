@@ -397,6 +397,9 @@ class LocalArbiter(LocalReads, Arbiter):
         elif decision.kind == "cancel":
             log.info("lease %s of kernel %s: %s", lease.id, lease.kernel_id, decision.reason)
             notices.append(notice("reclaim_cancelled", lease, decision.reason))
+        elif decision.kind == "over_share":
+            log.info("lease %s of kernel %s (%s): %s", lease.id, lease.kernel_id, lease.user, decision.reason)
+            notices.append(notice("over_share", lease, decision.reason))
         elif decision.kind == "idle":
             log.debug("lease %s of kernel %s: %s", lease.id, lease.kernel_id, decision.reason)
         elif decision.kind == "queue" and (old is None or old.state != LeaseState.PENDING):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Sequence
 
-from .model import KernelActivity, Lease, SchedConfig, evolve
+from .model import KernelActivity, Lease, SchedConfig, Step, evolve
 from .units import format_duration
 
 #: Idle spells shorter than this are noise between two cells, not a pause.
@@ -185,7 +185,12 @@ def observe(lease: Lease, activity: KernelActivity | None, now: float, cfg: Sche
         memory = lease.memory_held
     if active_now == busy and last == lease.last_active_at and gaps == lease.gaps and memory == lease.memory_held:
         return lease
-    tried = () if active_now else lease.tried_steps
+    tried = lease.tried_steps
+    if active_now:
+        # Running code starts the ladder afresh, but a free-cache step taken for an over-share
+        # counts until the lease is back within its share (else a busy kernel is asked forever).
+        over = lease.over_share_since is not None and Step.FREE_CACHE in tried
+        tried = (Step.FREE_CACHE,) if over else ()
     return evolve(lease, busy=active_now, last_active_at=last, gaps=gaps, memory_held=memory, tried_steps=tried)
 
 

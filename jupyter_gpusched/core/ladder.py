@@ -69,3 +69,43 @@ def choose_step(
     if skipped:
         return None, f"{skipped}, and reclaim_fallback is 'none'"
     return None, "reclaim_fallback is 'none' and no gentler step applies"
+
+
+# -- a shared lease over its memory share ------------------------------------------------------
+#
+# A shared lease is promised ``memory`` bytes on each of its GPUs, and the GPU is shared on that
+# promise. When its processes hold more (as the GPUs report per process), the pass responds in
+# this order (``_Pass.over_share`` in ``scheduler.py``):
+#
+# 1. a notice: ``over_share_since`` is set and the reason says so (decision ``over_share``);
+# 2. at a pass at least ``OVER_SHARE_RECHECK`` seconds later, if it is still over: the
+#    ``free-cache`` step (the kernel drops its frameworks' caches);
+# 3. if it is still over after that: when the over-share can hurt someone (another lease holds
+#    one of its GPUs, or a waiting claim could use one) the ``reclaim_fallback`` (restart or
+#    shutdown) after a ``grace_period`` notice; when nobody is hurt, or the fallback is ``none``,
+#    it keeps running and the reason says why.
+#
+# Back within its share at any point: the response stops, and an announced fallback is cancelled.
+
+#: Bytes a shared lease may hold beyond its share before it counts as over it: a process's CUDA
+#: context is counted in the per-process figure but lies outside every framework's memory pool
+#: (whose limits are set to the share), and it takes a few hundred MiB on current GPUs.
+OVER_SHARE_SLACK = 512 * 1024**2
+#: Seconds between the notice and the free-cache step: the lease must still be over at a pass
+#: this much later (a later observation, on a server whose ticks are no further apart).
+OVER_SHARE_RECHECK = 1.0
+
+
+def share_of(lease: Lease) -> int | None:
+    """The bytes a shared lease is promised on all its GPUs together (None: not a shared share)."""
+    if lease.mode != SHARED or lease.memory is None or not lease.devices:
+        return None
+    return lease.memory * len(lease.devices)
+
+
+def over_share(lease: Lease) -> bool:
+    """Whether ``lease``'s processes hold more than its share plus ``OVER_SHARE_SLACK``."""
+    share = share_of(lease)
+    if share is None or lease.memory_held is None or not lease.holding:
+        return False
+    return lease.memory_held > share + OVER_SHARE_SLACK

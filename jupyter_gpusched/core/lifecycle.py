@@ -207,6 +207,9 @@ def keep(lease: Lease, seconds: float, now: float, cfg: SchedConfig) -> Lease:
     # Only an announced (disruptive) reclaim can be called off; a release or checkpoint the
     # arbiter is carrying out already finishes, as it does when the kernel runs again.
     under_way = lease.reclaim_step is not None and not lease.reclaim_step.disruptive
+    # Nor does a keep call off what a lease over its memory share is due for: keep is against
+    # idle reclaim, not a licence to hold more than the share.
+    under_way = under_way or lease.over_share_since is not None
     if state == LeaseState.RECLAIMING and until is not None and not under_way:
         state = LeaseState.ACTIVE
         reason = "reclaim cancelled: kept by the user"

@@ -78,7 +78,10 @@ class Lease:
     idle timeout learns from. ``home`` lists the devices a suspended lease last ran on, so that a
     restore can go back there. ``memory_held`` is what the kernel's processes held on the GPU
     when last seen (``None``: unknown); a suspended lease keeps it as the size of its checkpoint.
-    ``tried_steps`` are the reclaim steps already tried since the kernel last ran.
+    ``tried_steps`` are the reclaim steps already tried since the kernel last ran (a free-cache
+    step taken because the lease is over its memory share counts until it is back within it).
+    ``over_share_since`` is when a pass first saw a shared lease's processes hold more than its
+    memory share (``None``: within it, or never seen over); see ``core/ladder.py``.
     """
 
     id: str
@@ -106,6 +109,7 @@ class Lease:
     released_at: float | None = None
     reason: str = ""
     version: int = 0
+    over_share_since: float | None = None
 
     @property
     def holding(self) -> bool:
@@ -226,7 +230,8 @@ class Decision:
 
     ``kind`` is one of: ``grant``, ``queue`` (position changed), ``active``, ``idle``,
     ``reclaim`` (carry out ``lease.reclaim_step`` now), ``notice`` (a disruptive reclaim is
-    announced for ``lease.reclaim_at``), ``cancel`` (an announced reclaim is off), ``expire-keep``.
+    announced for ``lease.reclaim_at``), ``cancel`` (an announced reclaim is off), ``expire-keep``,
+    ``over_share`` (a shared lease is over its memory share: what happens next is in the reason).
     """
 
     kind: str

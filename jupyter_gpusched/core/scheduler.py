@@ -14,6 +14,7 @@ from .model import (
     EXCLUSIVE,
     HOLDING,
     LIVE,
+    SHARED,
     Capabilities,
     Decision,
     Device,
@@ -26,7 +27,7 @@ from .model import (
     evolve,
 )
 from .placement import Occupancy, _load_key, fits, occupy, place, schedulable, vacate
-from .units import format_duration
+from .units import format_bytes, format_duration
 
 
 class _Limits:
@@ -223,6 +224,7 @@ class _Pass:
             queue, wanted = [], {}
         wanted.update(self.uncontended(limits))
         self.reclaim(wanted)
+        self.over_share(wanted)
         waiting = [le for le in queue if self.leases[le.id].state == LeaseState.PENDING]
         for position, lease in enumerate(waiting, start=1):
             current = self.leases[lease.id]
@@ -261,6 +263,8 @@ class _Pass:
             if lease.busy and lease.state != LeaseState.ACTIVE:
                 if lease.state == LeaseState.RECLAIMING and not (lease.reclaim_step or Step.RELEASE).disruptive:
                     continue  # a checkpoint in progress finishes; the kernel's cell waits for the restore
+                if lease.state == LeaseState.RECLAIMING and lease.over_share_since is not None:
+                    continue  # over its memory share: running code does not call that off (over_share)
                 kind = "cancel" if lease.state == LeaseState.RECLAIMING else "active"
                 reason = "the kernel is running again" + (": reclaim cancelled" if kind == "cancel" else "")
                 self.set(
@@ -534,8 +538,8 @@ class _Pass:
 
     def reclaim(self, wanted: Mapping[str, str]) -> None:
         for lease in self.live():
-            if lease.state != LeaseState.RECLAIMING or lease.id in wanted:
-                continue
+            if lease.state != LeaseState.RECLAIMING or lease.id in wanted or lease.over_share_since is not None:
+                continue  # (a lease over its memory share: over_share decides)
             in_progress = lease.reclaim_step is not None and not lease.reclaim_step.disruptive
             if not in_progress:
                 reason = "reclaim cancelled: no longer needed"
@@ -582,6 +586,133 @@ class _Pass:
                     "reclaim",
                     reason,
                 )
+
+    # -- a shared lease over its memory share (core/ladder.py says the rule) -----------------
+    def over_share(self, wanted: Mapping[str, str]) -> None:
+        for lease in self.live():
+            if lease.over_share_since is None and (lease.mode != SHARED or lease.memory is None):
+                continue
+            if lease.id in wanted:
+                continue  # an idle reclaim takes the GPU back anyway
+            if not lease.holding:
+                if lease.over_share_since is not None:
+                    self.set(evolve(lease, over_share_since=None))
+            elif ladder.over_share(lease):
+                self.respond_to_over_share(lease)
+            elif lease.over_share_since is not None:
+                self.back_within_share(lease)
+
+    def gpus_of(self, lease: Lease) -> str:
+        indices = [str(self.by_uuid[u].index) if u in self.by_uuid else u for u in lease.devices]
+        if len(indices) == 1:
+            return f"GPU {indices[0]}"
+        return f"GPUs {', '.join(indices[:-1])} and {indices[-1]}"
+
+    def harmed(self, lease: Lease) -> str | None:
+        """Who the over-share can hurt, in words (None: nobody)."""
+        mine = set(lease.devices)
+        live = self.live()
+        if any(o.id != lease.id and o.holding and not mine.isdisjoint(o.devices) for o in live):
+            return "another lease shares its GPU"
+        if any(o.state == LeaseState.PENDING and not mine.isdisjoint(self.usable(o)) for o in live):
+            return "a claim waits for its GPU"
+        return None
+
+    def respond_to_over_share(self, lease: Lease) -> None:
+        now, cfg = self.now, self.cfg
+        per_gpu = " per GPU" if len(lease.devices) > 1 else ""
+        gpus = self.gpus_of(lease)
+        head = (
+            f"{OVER_SHARE}: its processes hold more than the {format_bytes(lease.memory or 0)}{per_gpu} "
+            f"it claimed on {gpus}"
+        )
+        since = lease.over_share_since
+        if since is None:
+            reason = f"{head}; its framework caches are dropped if it stays over"
+            self.set(evolve(lease, over_share_since=now, reason=reason), "over_share", reason)
+            self.wake(now + ladder.OVER_SHARE_RECHECK)
+            return
+        step = lease.reclaim_step
+        if lease.state == LeaseState.RECLAIMING:
+            if step is None or not step.disruptive:
+                return  # a step under way (free-cache, or an idle reclaim's checkpoint) finishes first
+            if self.harmed(lease) is None:
+                reason = f"{head}; the {step} is off: nobody else uses {gpus} or waits for it any more"
+                self.set(
+                    evolve(lease, state=LeaseState.ACTIVE, reclaim_at=None, reclaim_step=None, reason=reason),
+                    "cancel",
+                    reason,
+                )
+            elif lease.reclaim_at is None or lease.reclaim_at <= now:
+                self.set(lease, "reclaim", lease.reason)
+            else:
+                self.wake(lease.reclaim_at)
+            return
+        if Step.FREE_CACHE not in lease.tried_steps:
+            if now < since + ladder.OVER_SHARE_RECHECK:
+                reason = f"{head}; its framework caches are dropped if it stays over"
+                if reason != lease.reason:
+                    self.set(evolve(lease, reason=reason))
+                self.wake(since + ladder.OVER_SHARE_RECHECK)
+                return
+            reason = f"{head}; dropping its framework caches"
+            self.set(
+                evolve(lease, state=LeaseState.RECLAIMING, reclaim_at=now, reclaim_step=Step.FREE_CACHE, reason=reason),
+                "reclaim",
+                reason,
+            )
+            return
+        harm = self.harmed(lease)
+        after = f"{head}; dropping its framework caches did not bring it within its share"
+        fallback = cfg.reclaim_fallback
+        verb = "restarted" if fallback == "restart" else "shut down"
+        grace = format_duration(cfg.grace_period)
+        if fallback == "none":
+            reason = f"{after}; reclaim_fallback is 'none', so the kernel keeps running"
+            if harm is not None:
+                reason += f" although {harm}"
+        elif harm is None:
+            reason = (
+                f"{after}; nobody else uses {gpus} or waits for it, so the kernel keeps running "
+                f"(it will be {verb} after a {grace} notice if someone does)"
+            )
+        else:
+            at = now + cfg.grace_period
+            reason = f"{after} and {harm}, so the kernel will be {verb} after a {grace} notice unless it frees GPU memory"
+            step = Step.RESTART if fallback == "restart" else Step.SHUTDOWN
+            self.set(
+                evolve(lease, state=LeaseState.RECLAIMING, reclaim_at=at, reclaim_step=step, reason=reason),
+                "notice" if at > now else "reclaim",
+                reason,
+            )
+            self.wake(at)
+            return
+        if reason != lease.reason:
+            # Told once per change: a pass that only marked the lease idle or active again
+            # (which rewrites the reason) does not tell it again.
+            told = self.input[lease.id].reason == reason
+            self.set(evolve(lease, reason=reason), None if told else "over_share", reason)
+
+    def back_within_share(self, lease: Lease) -> None:
+        step = lease.reclaim_step
+        if lease.state == LeaseState.RECLAIMING and step is not None and step.disruptive:
+            reason = f"back within its memory share: the {step} is off"
+            self.set(
+                evolve(
+                    lease, state=LeaseState.ACTIVE, reclaim_at=None, reclaim_step=None, over_share_since=None,
+                    reason=reason,
+                ),
+                "cancel",
+                reason,
+            )
+        elif lease.state == LeaseState.RECLAIMING:
+            self.set(evolve(lease, over_share_since=None))  # a step under way finishes
+        else:
+            self.set(evolve(lease, over_share_since=None, reason="back within its memory share"))
+
+
+#: How every reason about a lease over its memory share begins.
+OVER_SHARE = "over its memory share"
 
 
 def plan(

@@ -11,7 +11,10 @@ CUDA keeps a process within its share. What can be done:
   initializes CUDA, so importing torch neither initializes CUDA nor is done by us. These limits
   are advisory: the user's code may change them.
 - MPS, where the server runs a control daemon for the GPU (``c.GPUSchedApp.mps``): the kernel is
-  an MPS client with ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``, which the driver enforces.
+  an MPS client with ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``, which the driver enforces, and
+  ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, its compute share: a claim names memory only, so the
+  compute share is the memory share's part of the GPU's memory, in whole percent rounded up
+  (at least 1): a kernel promised a fifth of the memory may use a fifth of the SMs.
 
 The environment is set in the kernel process itself when the lease is bound (lazily, before the
 first cell) and cleared when the lease is exclusive or ends; the provisioner sets the same
@@ -52,9 +55,10 @@ TF_GROWTH = "TF_FORCE_GPU_ALLOW_GROWTH"
 MPS_PIPE = "CUDA_MPS_PIPE_DIRECTORY"
 MPS_LOG = "CUDA_MPS_LOG_DIRECTORY"
 MPS_MEM_LIMIT = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+MPS_THREADS = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 
 #: Every variable a shared lease's limits set (and that an exclusive lease or none clears).
-LIMIT_VARS = (CUPY_LIMIT, XLA_FRACTION, XLA_PREALLOCATE, TF_GROWTH, MPS_PIPE, MPS_LOG, MPS_MEM_LIMIT)
+LIMIT_VARS = (CUPY_LIMIT, XLA_FRACTION, XLA_PREALLOCATE, TF_GROWTH, MPS_PIPE, MPS_LOG, MPS_MEM_LIMIT, MPS_THREADS)
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,16 @@ class Limits:
             return None
         return min(1.0, self.memory / min(known))
 
+    @property
+    def thread_percentage(self) -> int | None:
+        """The MPS compute share: the memory share as a percentage of the GPU's memory, rounded
+        up to a whole percent, 1 to 100 (None where the GPU's memory is unknown)."""
+        known = [t for t in self.totals if t]
+        if not known:
+            return None
+        total = min(known)
+        return max(1, min(100, -(-self.memory * 100 // total)))
+
     def environment(self) -> dict[str, str]:
         """The frameworks' (and MPS's) own variables for this share."""
         env = {CUPY_LIMIT: str(self.memory), XLA_PREALLOCATE: "false", TF_GROWTH: "true"}
@@ -134,6 +148,9 @@ class Limits:
             env[MPS_PIPE] = self.mps["pipe"]
             env[MPS_LOG] = self.mps["log"]
             env[MPS_MEM_LIMIT] = ",".join(f"{i}={_mps_size(self.memory)}" for i in range(len(self.devices)))
+            threads = self.thread_percentage
+            if threads is not None:
+                env[MPS_THREADS] = str(threads)
         return env
 
     def enforcers(self) -> list[str]:
@@ -152,7 +169,13 @@ class Limits:
 
         frameworks = ", ".join(e for e in self.enforcers() if not e.startswith("MPS"))
         if self.mps is not None:
-            how = f"MPS pinned device memory limit (enforced by the driver); {frameworks} (their own limits)"
+            threads = self.thread_percentage
+            compute = (
+                f" and {threads}% of the GPU's compute (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE)"
+                if threads is not None
+                else " (no compute share: the GPU's memory is unknown)"
+            )
+            how = f"MPS pinned device memory limit{compute} (enforced by the driver); {frameworks} (their own limits)"
         else:
             how = f"{frameworks} (advisory: the frameworks' own limits; {self.mps_note})"
         return (

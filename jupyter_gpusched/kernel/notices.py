@@ -37,10 +37,14 @@ class NoticeKind(str, Enum):
     RELEASED = "released"
     #: The lease ended because its GPU was lost.
     LOST = "lost"
+    #: A shared lease's processes hold more than its memory share (or are back within it).
+    OVER_SHARE = "over_share"
 
     def __str__(self) -> str:
         return str(self.value)
 
+
+_DISRUPTIVE = (ReclaimStep.RESTART, ReclaimStep.SHUTDOWN)
 
 #: Kinds that end a countdown: shown only where the caller shows that countdown (``display_id``).
 COUNTDOWN_ENDS = (NoticeKind.RECLAIM_CANCELLED, NoticeKind.RECLAIMED)
@@ -89,11 +93,26 @@ def countdown_text(lease: Mapping[str, Any], seconds_left: float) -> str:
         then = " Its GPU state will be checkpointed; the next cell restores it."
     else:
         then = ""
+    # Over its memory share, a keep does not help: freeing GPU memory does.
+    how = (
+        "free GPU memory (delete large arrays or tensors) to keep it"
+        if lease.get("over_share_since")
+        else "run `%gpu keep 30m` to keep it"
+    )
     return (
         f"{render.gpu_label(lease)} will be taken back in {seconds_left:.0f} s"
         + (f" because {reason}" if reason else "")
-        + "; run `%gpu keep 30m` to keep it."
+        + f"; {how}."
         + then
+    )
+
+
+def over_share_text(lease: Mapping[str, Any]) -> str:
+    """What to say when a shared lease is seen over its memory share (or its response changes)."""
+    reason = lease.get("reason") or "over its memory share"
+    return (
+        f"{render.gpu_label(lease)}: {reason}. Free GPU memory (delete large arrays or tensors) to "
+        "stay within the share this kernel claimed."
     )
 
 
@@ -136,6 +155,18 @@ def notices(
         out.append(
             Notice(NoticeKind.FREE_CACHE, "", lease_id=new.get("id"), key=(new.get("id"), new.get("reclaim_at")))
         )
+
+    # Over its memory share: said when first seen over and whenever what happens next changes
+    # (the reason says it), and when back within it. A countdown says it itself, and its end
+    # says why (the reclaim is off).
+    counted_down = bool(prev) and pstate == LeaseState.RECLAIMING and prev.get("reclaim_step") in _DISRUPTIVE
+    if same and new and nstate in HOLDING and nstate != LeaseState.RECLAIMING and not counted_down:
+        if new.get("over_share_since") and (not prev.get("over_share_since") or prev.get("reason") != reason):
+            text = over_share_text(new)
+            out.append(Notice(NoticeKind.OVER_SHARE, text, f"<b>{html.escape(text)}</b>", lease_id=new.get("id")))
+        elif prev.get("over_share_since") and not new.get("over_share_since"):
+            text = f"{render.gpu_label(new)}: back within its memory share."
+            out.append(Notice(NoticeKind.OVER_SHARE, text, lease_id=new.get("id")))
 
     if new and nstate == LeaseState.RECLAIMING:
         left = render.seconds_until(new.get("reclaim_at"), now)

@@ -164,7 +164,11 @@ def lease_line(lease: Mapping[str, Any] | None, now: float) -> str:
     keep_left = seconds_until(lease.get("keep_until"), now)
     if keep_left:
         text += f", kept for {format_duration(keep_left)} more"
-    return text + "."
+    text += "."
+    if lease.get("over_share_since") and lease.get("reason"):
+        # What the scheduler does about it, in its own words.
+        text += f" It is {lease['reason']}."
+    return text
 
 
 def share_label(lease: Mapping[str, Any]) -> str:
@@ -174,7 +178,7 @@ def share_label(lease: Mapping[str, Any]) -> str:
         return ""
     text = f"uses {format_bytes(held)} of its {format_bytes(share)} share"
     if held > share:
-        text += " (over it: its framework caches may be dropped when the GPU is needed)"
+        text += " (over it)"
     return text
 
 

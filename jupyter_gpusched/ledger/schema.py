@@ -139,8 +139,13 @@ def _v4(conn: sqlite3.Connection) -> None:
     )
 
 
+def _v5(conn: sqlite3.Connection) -> None:
+    """Over-share: when a shared lease was first seen holding more than its memory share."""
+    conn.execute('ALTER TABLE leases ADD COLUMN "over_share_since" REAL')
+
+
 #: ``MIGRATIONS[n]`` takes a file from schema ``n`` to ``n + 1``; a new file runs them all.
-MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_v1, _v2, _v3, _v4)
+MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_v1, _v2, _v3, _v4, _v5)
 SCHEMA_VERSION = len(MIGRATIONS)
 TABLES = frozenset({"leases", "events", "owners", "devices", "checkpoints", "pruned"})
 

@@ -50,7 +50,8 @@ class GPUSchedApp(SchedulingConfig, ExtensionApp):
         help="""NVIDIA MPS for shared leases: 'auto' starts one MPS control daemon per GPU when
         nvidia-cuda-mps-control is on PATH (pipes and logs under the runtime directory), and a
         kernel whose shared lease is on one GPU becomes its client, held to its memory share by
-        the driver (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT); 'off' starts none. Without MPS (off, absent,
+        the driver (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT), with the same part of the GPU's compute
+        (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, rounded up to a whole percent); 'off' starts none. Without MPS (off, absent,
         hub mode) shared leases get the frameworks' own memory limits only.""",
     ).tag(config=True)
 

@@ -2,7 +2,9 @@
 
 A kernel whose shared lease is on one GPU becomes a client of that GPU's MPS control daemon (its
 ``CUDA_MPS_PIPE_DIRECTORY``), with ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` set to its share: the
-driver then refuses allocations beyond it. Each daemon is started with ``nvidia-cuda-mps-control
+driver then refuses allocations beyond it; and ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` set to its
+compute share, its memory share's part of the GPU in whole percent rounded up (see
+``kernel/limits.py``, which sets both for the provisioner and the kernel agent). Each daemon is started with ``nvidia-cuda-mps-control
 -d`` and the GPU's UUID in ``CUDA_VISIBLE_DEVICES`` (so clients name the GPU by UUID, as the
 kernel agent does), its pipe and log directories under the server's runtime directory, and
 stopped with ``quit`` on its standard input. The daemon starts an MPS server only when a first

@@ -411,6 +411,11 @@ export class GPUSchedNotifier implements IDisposable {
           }
         );
         break;
+      case 'over_share':
+        this._replace(key, noticeSentence(notice.message, ''), 'warning', {
+          autoClose: false
+        });
+        break;
       case 'free_cache':
         this._replace(key, NoticeText.freeCache(label, devices), 'info', {
           autoClose: 8000
@@ -463,7 +468,8 @@ export class GPUSchedNotifier implements IDisposable {
         lease.state === 'active' ||
         lease.state === 'pending' ||
         lease.state === 'suspended' ||
-        (keptFor !== null && keptFor > 0) ||
+        // A keep does not call off what a lease over its memory share is due for.
+        (keptFor !== null && keptFor > 0 && !lease.over_share_since) ||
         (countdown.leaseHadReclaimAt && !lease.reclaim_at);
       if (cancelled) {
         this._stopCountdown(

@@ -131,6 +131,8 @@ export interface ILease {
   reclaim_step?: string | null;
   /** Bytes the kernel's processes held on the GPU when last seen. */
   memory_held?: number | null;
+  /** When a shared lease was first seen holding more than its memory share; null: within it. */
+  over_share_since?: string | null;
   /** Why the lease is in its state, in words. */
   reason?: string;
   /** What idle would do to the lease, `null` when nothing is foreseen. */
@@ -225,6 +227,7 @@ export type KnownNoticeKind =
   | 'released'
   | 'reclaimed'
   | 'free_cache'
+  | 'over_share'
   | 'lost';
 
 /** A notice kind; unknown kinds are allowed. */
