@@ -172,6 +172,10 @@ export interface IQueueEntryPayload {
 export interface ICheckpointInfo {
   available: boolean;
   reason: string;
+  /** Bytes of host memory checkpoints may hold together (checkpoint_host_memory); null: no limit. */
+  host_memory_budget?: number | null;
+  /** Bytes checkpoints hold now. */
+  host_memory_held?: number;
 }
 
 /** The scheduling settings the server runs with (seconds). */
