@@ -398,7 +398,7 @@ def test_migrates_a_version_1_file(tmp_path):
     path = tmp_path / "v1.sqlite"
     write_v1(path)
     with Ledger(path) as led:
-        assert led.schema_version == SCHEMA_VERSION == 4
+        assert led.schema_version == SCHEMA_VERSION == 5
         old = led.lease("old")
         assert old.state == LeaseState.ACTIVE and old.devices == ("GPU-0",) and old.gaps == (2.5,)
         assert [(e.kind, e.pid) for e in led.events()] == [("claim", None), ("grant", None)]

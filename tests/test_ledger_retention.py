@@ -267,7 +267,7 @@ def test_migrates_a_version_3_file(tmp_path):
     write_v3(path)
     assert "leases_state" in indexes(path)
     with Ledger(path) as led:
-        assert led.schema_version == SCHEMA_VERSION == 4
+        assert led.schema_version == SCHEMA_VERSION == 5
         assert led.check(DEVICES) == [] and led.pruned() is None
         assert ids(led.leases()) == {"live"} and set(led.owners()) == {"live"}
         assert led.prune(older_than=100.0) == 1

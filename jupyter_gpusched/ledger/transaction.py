@@ -22,8 +22,10 @@ from .rows import (
     select_lease,
     select_leases,
     select_owners,
+    select_usage,
     to_row,
 )
+from ..core.usage import Accrued
 
 __all__ = ["Transaction"]
 
@@ -193,6 +195,28 @@ class Transaction:
     def drop_checkpoint(self, pid: int, create_time: float) -> None:
         """The process was restored (or is gone): forget its checkpoint."""
         self._c().execute("DELETE FROM checkpoints WHERE pid = ? AND create_time = ?", (pid, create_time))
+
+    # recent usage
+    def usage(self) -> dict[str, Accrued]:
+        """Each subject's recent usage record (``core.usage``), by subject."""
+        return select_usage(self._c())
+
+    def set_usage(self, records: dict[str, Accrued], before: dict[str, Accrued] | None = None) -> None:
+        """Make the usage table hold exactly ``records`` (``before``: what it holds, if just read)."""
+        conn = self._c()
+        if before is None:
+            before = select_usage(conn)
+        gone = [(s,) for s in before if s not in records]
+        if gone:
+            conn.executemany("DELETE FROM usage WHERE subject = ?", gone)
+        rows = [(s, r.gpu_seconds, r.held, r.as_of) for s, r in records.items() if before.get(s) != r]
+        if rows:
+            conn.executemany(
+                """INSERT INTO usage (subject, gpu_seconds, held, as_of) VALUES (?, ?, ?, ?)
+                   ON CONFLICT(subject) DO UPDATE SET gpu_seconds = excluded.gpu_seconds,
+                     held = excluded.held, as_of = excluded.as_of""",
+                rows,
+            )
 
     # devices
     def drained(self) -> dict[str, str]:
