@@ -39,6 +39,7 @@ import heapq
 from dataclasses import dataclass, field, replace
 
 from ..core import idle
+from ..core import usage as core_usage
 from ..core.lifecycle import new_claim, request_resume, step_done, suspended
 from ..core.model import (
     Capabilities,
@@ -287,6 +288,7 @@ class _Node:
         "held",
         "held_since",
         "held_seconds",
+        "usage",
     )
 
     def __init__(self, index: int, name: str, devices: tuple[Device, ...]) -> None:
@@ -300,6 +302,8 @@ class _Node:
         self.held = 0
         self.held_since = 0.0
         self.held_seconds = 0.0
+        # Recent usage per user and group, as the node broker's ledger keeps it (core.usage).
+        self.usage: dict[str, core_usage.Accrued] = {}
 
     def change_held(self, now: float, delta: int) -> None:
         self.held_seconds += self.held * (now - self.held_since)
@@ -432,8 +436,15 @@ class _Replay:
 
     def settle(self, node: _Node, now: float) -> None:
         """Scheduling passes of ``node``'s broker at ``now`` until nothing that was freed can be granted."""
+        # The static queue is first come, first served: usage would change nothing there.
+        half_life = self.cfg.usage_half_life if self.cfg.policy != "static" else 0.0
         for _ in range(64):
-            result = plan(node.devices, node.leases.values(), self.activity, now, self.cfg, self.caps)
+            # As the arbiter's planning transaction: usage accrued up to now orders the queue,
+            # and what the pass leaves held accrues from now on.
+            recent = core_usage.recent(node.usage, now, half_life) if half_life > 0 else None
+            result = plan(node.devices, node.leases.values(), self.activity, now, self.cfg, self.caps, usage=recent)
+            if half_life > 0:
+                node.usage = core_usage.advance(node.usage, result.leases, node.devices, now, half_life)
             self.passes += 1
             node.leases = leases = {lease.id: lease for lease in result.leases}
             freed = False
