@@ -517,7 +517,20 @@ class LocalArbiter(LocalReads, Arbiter):
             if new.version <= current.version:
                 new = replace(new, version=current.version + 1)
             tx.put(new, current)
+            if new.devices != current.devices or new.holding != current.holding:
+                self._settle_usage(tx)
             return new
+
+    def _settle_usage(self, tx) -> None:
+        """Accrue recent usage up to now in ``tx`` after a write that took or gave back GPUs
+        outside a pass (a release, a suspend), so that what is no longer held stops counting now,
+        not at the next pass (which may come only after a restart)."""
+        half_life = self.cfg.usage_half_life
+        if half_life <= 0:
+            return
+        devices = [d.to_core() for d in self.state.snapshot]
+        records = tx.usage()
+        tx.set_usage(core_usage.advance(records, tx.leases(), devices, tx.now, half_life), records)
 
     # -- lookups ---------------------------------------------------------------------------
     def _need_inventory(self) -> None:
