@@ -271,18 +271,18 @@ class LocalArbiter(LocalReads, Arbiter):
             # Recent usage, accrued up to now with what each user and group held since the last
             # pass (of any process on this ledger), orders the queue after quota.
             half_life = self.cfg.usage_half_life
-            records = tx.usage() if half_life > 0 else {}
-            recent = core_usage.recent(records, now, half_life)
+            book = core_usage.Book(tx.usage()) if half_life > 0 else None
+            recent = book.recent(now, half_life) if book is not None else None
             plan = core.plan(devices, leases, activity, now, self.cfg, self.caps, usage=recent)
             read = {lease.id: lease for lease in leases}
             for lease_id in plan.changed:
                 # As read in this transaction: no need to read it again.
                 tx.put(plan.lease(lease_id), read.get(lease_id, ...))
-            if half_life > 0:
-                records_after = core_usage.advance(records, plan.leases, devices, now, half_life)
-                tx.set_usage(records_after, records)
-            else:
-                records_after = {}
+            records_after: Mapping[str, core_usage.Accrued] = {}
+            if book is not None:
+                written = book.advance(plan.leases, devices, now, half_life)
+                tx.write_usage(written, book.forget(now, half_life))
+                records_after = book.records
             self._own_new_kernels(tx, plan.leases)
         return _Planned(
             plan, before, notices, dict(drained), tuple(released), frozenset(suspects), outcome, records_after, now
@@ -529,8 +529,8 @@ class LocalArbiter(LocalReads, Arbiter):
         if half_life <= 0:
             return
         devices = [d.to_core() for d in self.state.snapshot]
-        records = tx.usage()
-        tx.set_usage(core_usage.advance(records, tx.leases(), devices, tx.now, half_life), records)
+        book = core_usage.Book(tx.usage())
+        tx.write_usage(book.advance(tx.leases(), devices, tx.now, half_life))
 
     # -- lookups ---------------------------------------------------------------------------
     def _need_inventory(self) -> None:

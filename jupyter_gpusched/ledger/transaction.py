@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
+from typing import Iterable, Mapping
 
 from ..core import Lease, LeaseState
 from ..procs import OwnerId
@@ -201,21 +202,18 @@ class Transaction:
         """Each subject's recent usage record (``core.usage``), by subject."""
         return select_usage(self._c())
 
-    def set_usage(self, records: dict[str, Accrued], before: dict[str, Accrued] | None = None) -> None:
-        """Make the usage table hold exactly ``records`` (``before``: what it holds, if just read)."""
+    def write_usage(self, written: Mapping[str, Accrued], forgotten: Iterable[str] = ()) -> None:
+        """Write the usage records ``written`` and delete those of the subjects ``forgotten``."""
         conn = self._c()
-        if before is None:
-            before = select_usage(conn)
-        gone = [(s,) for s in before if s not in records]
+        gone = [(s,) for s in forgotten]
         if gone:
             conn.executemany("DELETE FROM usage WHERE subject = ?", gone)
-        rows = [(s, r.gpu_seconds, r.held, r.as_of) for s, r in records.items() if before.get(s) != r]
-        if rows:
+        if written:
             conn.executemany(
                 """INSERT INTO usage (subject, gpu_seconds, held, as_of) VALUES (?, ?, ?, ?)
                    ON CONFLICT(subject) DO UPDATE SET gpu_seconds = excluded.gpu_seconds,
                      held = excluded.held, as_of = excluded.as_of""",
-                rows,
+                [(s, r.gpu_seconds, r.held, r.as_of) for s, r in written.items()],
             )
 
     # devices

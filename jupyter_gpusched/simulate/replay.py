@@ -289,6 +289,7 @@ class _Node:
         "held_since",
         "held_seconds",
         "usage",
+        "swept_at",
     )
 
     def __init__(self, index: int, name: str, devices: tuple[Device, ...]) -> None:
@@ -303,7 +304,8 @@ class _Node:
         self.held_since = 0.0
         self.held_seconds = 0.0
         # Recent usage per user and group, as the node broker's ledger keeps it (core.usage).
-        self.usage: dict[str, core_usage.Accrued] = {}
+        self.usage = core_usage.Book()
+        self.swept_at = 0.0
 
     def change_held(self, now: float, delta: int) -> None:
         self.held_seconds += self.held * (now - self.held_since)
@@ -441,10 +443,14 @@ class _Replay:
         for _ in range(64):
             # As the arbiter's planning transaction: usage accrued up to now orders the queue,
             # and what the pass leaves held accrues from now on.
-            recent = core_usage.recent(node.usage, now, half_life) if half_life > 0 else None
+            recent = node.usage.recent(now, half_life) if half_life > 0 else None
             result = plan(node.devices, node.leases.values(), self.activity, now, self.cfg, self.caps, usage=recent)
             if half_life > 0:
-                node.usage = core_usage.advance(node.usage, result.leases, node.devices, now, half_life)
+                node.usage.advance(result.leases, node.devices, now, half_life)
+                if now - node.swept_at >= half_life:
+                    # Housekeeping only: a record forgotten here already counted as 0.
+                    node.usage.forget(now, half_life)
+                    node.swept_at = now
             self.passes += 1
             node.leases = leases = {lease.id: lease for lease in result.leases}
             freed = False
