@@ -27,6 +27,7 @@ SCHEDULING_TRAITS = (
     "idle_utilization_threshold",
     "max_keep",
     "quotas",
+    "usage_half_life",
 )
 
 
@@ -145,6 +146,14 @@ class SchedulingConfig(Configurable):
         guaranteed a fair share of the host (GPUs / users with leases).""",
     ).tag(config=True)
 
+    usage_half_life = Float(
+        86400.0,
+        help="""Seconds in which a user's (and a group's) recent GPU usage decays by half. Recent
+        usage (GPU-seconds held, a shared lease counting its share of the GPU's memory) orders the
+        queue after quota, relative to each user's quota, and decides whose borrowed GPU is taken
+        back first. Kept in the ledger. 0 turns it off: usage is not tracked.""",
+    ).tag(config=True)
+
     ledger_path = Unicode(
         "",
         help="""SQLite file of the lease ledger; empty: gpusched.sqlite in the Jupyter runtime
@@ -194,6 +203,13 @@ class SchedulingConfig(Configurable):
         if proposal["value"] < 0:
             raise TraitError(f"{proposal['trait'].name} must be 0 or more seconds")
         return proposal["value"]
+
+    @validate("usage_half_life")
+    def _valid_half_life(self, proposal):
+        value = proposal["value"]
+        if not value >= 0 or value == float("inf"):
+            raise TraitError(f"usage_half_life must be 0 (usage not tracked) or a finite number of seconds, not {value!r}")
+        return value
 
     @validate("history_days")
     def _non_negative_days(self, proposal):

@@ -209,7 +209,9 @@ async def test_a_kernel_showing_only_the_panel_is_still_reclaimed_as_idle(
     out = await k1.execute("%gpu panel")
     assert out["error"] is None, out
     k2 = await start_kernel("gpu")
-    busy = asyncio.ensure_future(k2.execute("import time; time.sleep(6)", timeout=60))
+    # Kernel 2 computes all along (on a loaded machine the steps below take longer than they say),
+    # so that the panel kernel is the only idle one.
+    busy = asyncio.ensure_future(k2.execute("import time; time.sleep(15)", timeout=60))
     k3 = await start_kernel("gpu")
     code, pending = await api(jp_fetch, "leases", method="POST", body={"kernel_id": k3.id})
     assert code == 202

@@ -307,3 +307,33 @@ def test_the_admin_page_lists_every_node(tmp_path):
                 await setup.close()
 
     run(scenario())
+
+
+def test_the_page_shows_each_users_recent_usage_and_why_a_claim_waits_where_it_does():
+    async def scenario():
+        async with Site() as site:
+            site.broker.extra = {
+                "config": {"usage_half_life": 86400.0},
+                "usage": [
+                    {"user": "alice", "gpu_hours": 41.23, "quota": 2.0, "held": 1.0},
+                    {"user": "bob", "gpu_hours": 0.0, "quota": 1.0, "held": 0.0},
+                ],
+                "group_usage": [{"group": "ml", "gpu_hours": 41.23, "held": 1.0}],
+                "queue": [
+                    {"position": 1, "user": "bob", "count": 1, "waiting_since": "2025-01-01T00:00:00Z",
+                     "lease_id": "lease-bob-1", "reason": "waiting for a GPU; 1st in line: within quota"},
+                ],
+            }
+            text = (await site.fetch("")).body.decode()
+            usage = text.split("<h2>Recent usage</h2>", 1)[1].split("</table>", 1)[0]
+            assert "halving every 1 day" in usage
+            assert "<tr><td>alice</td><td>41.2</td><td>2</td><td>1</td></tr>" in usage
+            assert "<tr><td>bob</td><td>0.0</td><td>1</td><td>0</td></tr>" in usage
+            assert "<tr><td>ml</td><td>41.2</td><td>1</td></tr>" in text
+            queue = text.split("<h2>Queue</h2>", 1)[1].split("</table>", 1)[0]
+            assert "<td>waiting for a GPU; 1st in line: within quota</td>" in queue
+            # A broker that does not track usage shows no such section.
+            site.broker.extra["config"] = {"usage_half_life": 0}
+            assert "Recent usage" not in (await site.fetch("")).body.decode()
+
+    run(scenario())

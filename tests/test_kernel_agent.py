@@ -71,6 +71,8 @@ class FakeScheduler:
         self.freed_endpoint = True  # False: an older server without POST leases/{id}/freed
         self.freed: list[tuple[str, object]] = []  # (lease id, body) of free-cache acknowledgements
         self._next = 0
+        self.usage: list[dict] = []  # the status's recent usage per user
+        self.usage_half_life = 86400.0
 
     # helpers the tests use
     def lease_of(self, kernel_id: str = KERNEL) -> dict | None:
@@ -164,6 +166,8 @@ class FakeScheduler:
             "checkpoint": {"available": False, "reason": "simulated"},
             "user": "alice",
             "is_admin": False,
+            "config": {"usage_half_life": self.usage_half_life},
+            "usage": self.usage,
         }
 
     # the endpoints
@@ -730,6 +734,30 @@ def test_status_magic_shows_the_lease_the_gpus_and_the_queue(shell, provisioned,
     )
     assert any(line.startswith("1    NVIDIA H100") and line.endswith("bob (train.ipynb)") for line in lines)
     assert "Scheduler: mode standalone, backend simulated, policy hybrid" in out
+    assert "Nobody used a GPU recently." in out
+
+
+def test_status_all_shows_each_users_recent_usage(shell, provisioned, capsys):
+    provisioned.usage = [
+        {"user": "bob", "gpu_hours": 41.234, "quota": 2.0, "held": 1.0},
+        {"user": "alice", "gpu_hours": 3.04, "quota": 1.0, "held": 0.5},
+    ]
+    agent, _shown = load(shell)
+    agent._display = agent_mod._ipython_display
+    run(shell, "a = 1")
+    capsys.readouterr()
+    run(shell, "%gpu status --all")
+    lines = capsys.readouterr().out.splitlines()
+    start = lines.index("Recent GPU usage (half-life 1 day):")
+    assert lines[start + 1].split() == ["User", "GPU-hours", "Quota", "Holds", "now"]
+    assert lines[start + 2].split() == ["bob", "41.2", "2", "1"]
+    assert lines[start + 3].split() == ["alice", "3.0", "1", "0.5"]
+    # Plain %gpu stays short; a server that does not track usage shows no table.
+    run(shell, "%gpu")
+    assert "Recent GPU usage" not in capsys.readouterr().out
+    provisioned.usage_half_life = 0
+    run(shell, "%gpu status --all")
+    assert "Recent GPU usage" not in capsys.readouterr().out
 
 
 def test_a_lazy_kernel_says_it_gets_its_gpu_at_its_first_cell(shell, provisioned, capsys):

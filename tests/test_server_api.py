@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -334,3 +335,39 @@ async def test_brackets_inside_strings_are_not_nesting(jp_fetch, arbiter):
     code, err = await api(jp_fetch, "leases", method="POST", body={"kernel_id": kernel_id, "memory": "[" * 100})
     assert code == 400
     assert "memory must be a size" in err["message"] and "nests" not in err["message"]
+
+
+async def test_a_queued_claim_says_why_and_status_shows_recent_usage(jp_fetch, arbiter, use_clock):
+    k1, k2 = await _kernel(jp_fetch), await _kernel(jp_fetch)
+    code, held = await api(jp_fetch, "leases", method="POST", body={"kernel_id": k1, "count": 2})
+    assert code == 201
+    # Kept, so that idling for an hour takes nothing back.
+    assert (await api(jp_fetch, "leases", held["id"], "keep", method="POST", body={"seconds": 7200}))[0] == 200
+    use_clock.advance(3600)
+    await arbiter.tick()
+    code, waiting = await api(jp_fetch, "leases", method="POST", body={"kernel_id": k2})
+    assert code == 202
+    user = waiting["user"]
+    # Two GPUs for an hour, decayed with the default half-life of a day: about 1.97 GPU-hours.
+    hours = 2 * 86400 / math.log(2) * (1 - 2 ** (-3600 / 86400)) / 3600
+    assert waiting["reason"].startswith("waiting for a GPU; 1st in line: ")
+    assert f"{user} used {hours:.1f} GPU-hours recently (half-life 1 day)" in waiting["reason"]
+    code, status = await api(jp_fetch, "status")
+    assert status["queue"][0]["reason"] == waiting["reason"]
+    assert status["config"]["usage_half_life"] == 86400
+    [mine] = status["usage"]
+    assert mine["user"] == user and mine["held"] == 2 and mine["quota"] == 2
+    assert mine["gpu_hours"] == pytest.approx(hours, abs=0.01)
+    assert status["group_usage"] == []
+
+
+def test_a_negative_usage_half_life_is_refused():
+    from traitlets import TraitError
+
+    from jupyter_gpusched.hub.broker import GPUBroker
+    from jupyter_gpusched.server.app import GPUSchedApp
+
+    for app in (GPUSchedApp, GPUBroker):
+        with pytest.raises(TraitError, match="usage_half_life must be 0 .usage not tracked. or a finite number"):
+            app(usage_half_life=-60)
+        assert app(usage_half_life=0).sched_config().usage_half_life == 0

@@ -174,6 +174,31 @@ def test_hybrid_takes_a_borrowed_idle_gpu_after_contended_idle_timeout():
     assert result.held == ((0.0, 1), (667.7, 1), (3600.0, 0))
 
 
+# alice computes for two hours on the one GPU; then a second kernel of hers and one of bob's ask for
+# it, hers first. When her first kernel's lease is taken back, who gets the GPU?
+HEAVY_AND_LIGHT = """\
+session,user,start_s,duration_s,gpus,vram_gb,session_gpus,session_start_s,session_stop_s
+a1,alice,0,7200,1,10,1,0,20000
+a2,alice,7100,60,1,10,1,7000,20000
+b1,bob,7150,60,1,10,1,7150,20000
+"""
+
+
+def test_recent_usage_puts_the_lighter_user_first_as_on_the_server():
+    trace = parse_csv(HEAVY_AND_LIGHT)
+    fair = simulate(trace, "hybrid", 1)
+    _, alice_waited, bob_waited = fair.delays
+    # alice's lease is borrowed (a fair share is half a GPU): checkpointed 60 s after her cell
+    # ends, 10 GB at 2 GB/s + 2.7 s; bob, who used nothing, goes first although he asked later.
+    assert bob_waited == pytest.approx(7200 + 60 + 7.7 - 7150)
+    assert alice_waited > bob_waited
+    # Without usage (half-life 0) the older claim goes first, as before.
+    plain = simulate(trace, "hybrid", 1, ReplayOptions(config=SchedConfig(usage_half_life=0)))
+    _, alice_waited, bob_waited = plain.delays
+    assert alice_waited == pytest.approx(7200 + 60 + 7.7 - 7100)
+    assert bob_waited > alice_waited
+
+
 def test_dynamic_reclaims_after_idle_timeout():
     result = simulate(parse_csv(TWO_USERS), "dynamic", 1)
     assert result.delays[1] == pytest.approx(600 + 300 + 7.7 - 630)

@@ -211,7 +211,13 @@ SCHEMAS = {
                     "share (what happens next is in reason); null: within it"
                 ),
             },
-            "reason": {"type": "string"},
+            "reason": {
+                "type": "string",
+                "description": (
+                    "why the lease is as it is; for a pending claim also why it stands where it does "
+                    "in the fair queue (quota, its user's recent usage, priority, age)"
+                ),
+            },
             "mine": {"type": "boolean"},
             "idle_forecast": {
                 "oneOf": [{"$ref": "#/components/schemas/IdleForecast"}, {"type": "null"}],
@@ -265,6 +271,37 @@ SCHEMAS = {
             "position": {"type": "integer"},
             "count": {"type": "integer"},
             "waiting_since": _TIME,
+            "reason": {
+                "type": "string",
+                "description": (
+                    "why the claim waits and why it stands where it does in the fair queue (its "
+                    "class against its user's quota, its user's recent GPU usage, what put the "
+                    "claims ahead of it there); empty for another user's claim unless holders are shown"
+                ),
+            },
+        },
+    },
+    "UserUsage": {
+        "type": "object",
+        "required": ["user", "gpu_hours", "quota", "held"],
+        "properties": {
+            "user": {"type": "string", "description": "the user, or 'another user' as for their leases"},
+            "gpu_hours": {
+                "type": "number",
+                "minimum": 0,
+                "description": "GPU-hours held recently, decayed with usage_half_life (a shared lease counts its share of the GPU)",
+            },
+            "quota": {"type": "number", "minimum": 0, "description": "GPUs guaranteed to the user"},
+            "held": {"type": "number", "minimum": 0, "description": "GPUs' worth held now"},
+        },
+    },
+    "GroupUsage": {
+        "type": "object",
+        "required": ["group", "gpu_hours", "held"],
+        "properties": {
+            "group": {"type": "string"},
+            "gpu_hours": {"type": "number", "minimum": 0, "description": "GPU-hours its members held recently, decayed"},
+            "held": {"type": "number", "minimum": 0, "description": "GPUs' worth its members hold now"},
         },
     },
     "Status": {
@@ -295,6 +332,19 @@ SCHEMAS = {
             "devices": {"type": "array", "items": {"$ref": "#/components/schemas/Device"}},
             "leases": {"type": "array", "items": _LEASE},
             "queue": {"type": "array", "items": {"$ref": "#/components/schemas/QueueEntry"}},
+            "usage": {
+                "type": "array",
+                "items": {"$ref": "#/components/schemas/UserUsage"},
+                "description": (
+                    "recent GPU usage per user, most first: every user with recent usage or a live "
+                    "lease; empty when usage_half_life is 0"
+                ),
+            },
+            "group_usage": {
+                "type": "array",
+                "items": {"$ref": "#/components/schemas/GroupUsage"},
+                "description": "recent GPU usage per group, most first (a group only to its members unless holders are shown)",
+            },
             "unleased_processes": {
                 "type": "array",
                 "items": _UNLEASED,

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 from ..core import Capabilities, Device, Lease, LeaseState, SchedConfig
+from ..core import fairness
+from ..core import usage as core_usage
 from ..core.forecast import forecast
 from ..devices.base import DeviceSnapshot
 
@@ -56,6 +58,8 @@ class ViewContext:
     #: What the driver can do (checkpoints) and the host's schedulable devices, for the same views.
     caps: Capabilities | None = None
     devices: Sequence[Device] = ()
+    #: Why each waiting claim stands where it does in the fair queue (``fairness.explain``).
+    standing: Mapping[str, str] = field(default_factory=dict)
 
 
 def iso(ts: float | None) -> str | None:
@@ -112,10 +116,18 @@ def lease_json(
         "keep_until": iso(lease.keep_until),
         "memory_held": lease.memory_held,
         "over_share_since": iso(lease.over_share_since),
-        "reason": lease.reason if visible else "",
+        "reason": waiting_reason(lease, ctx) if visible else "",
         "mine": viewer.owns(lease) and not (viewer.admin and lease.user != viewer.user),
         "idle_forecast": idle_forecast,
     }
+
+
+def waiting_reason(lease: Lease, ctx: ViewContext) -> str:
+    """The lease's reason; for a waiting claim, followed by why it stands where it does in the queue."""
+    standing = ctx.standing.get(lease.id) if lease.state == LeaseState.PENDING else None
+    if not standing:
+        return lease.reason
+    return f"{lease.reason}; {standing}" if lease.reason else standing
 
 
 def device_json(
@@ -155,7 +167,7 @@ def _sees_kernel(viewer: Principal, user: str | None) -> bool:
     return viewer.show_holders or viewer.admin or (user is not None and user == viewer.user)
 
 
-def queue_json(queue: Sequence[Lease], viewer: Principal) -> list[dict]:
+def queue_json(queue: Sequence[Lease], viewer: Principal, ctx: ViewContext | None = None) -> list[dict]:
     out = []
     for position, lease in enumerate(queue, start=1):
         visible = viewer.sees(lease)
@@ -167,6 +179,61 @@ def queue_json(queue: Sequence[Lease], viewer: Principal) -> list[dict]:
                 "position": position,
                 "count": lease.count,
                 "waiting_since": iso(lease.queued_at),
+                "reason": (waiting_reason(lease, ctx) if ctx is not None else lease.reason) if visible else "",
             }
         )
     return out
+
+
+def usage_json(
+    records: Mapping[str, core_usage.Accrued],
+    leases: Sequence[Lease],
+    devices: Sequence[Device],
+    cfg: SchedConfig,
+    viewer: Principal,
+    now: float,
+) -> tuple[list[dict], list[dict]]:
+    """Recent usage per user and per group, most used first: ``(users, groups)``.
+
+    A user entry is ``{user, gpu_hours, quota, held}``: GPU-hours held recently (decayed with
+    ``usage_half_life``), GPUs guaranteed, GPUs' worth held now (a shared lease counts its share
+    of the GPU's memory). A group entry is ``{group, gpu_hours, held}``. Every user with recent
+    usage or a live lease is listed; another user's name is shown as for their leases, and a
+    group only to its members unless holders are shown. Both empty when usage is not tracked.
+    """
+    if cfg.usage_half_life <= 0:
+        return [], []
+    recent = core_usage.recent(records, now, cfg.usage_half_life)
+    held = core_usage.held_by_subject(leases, devices)
+    groups_of: dict[str, tuple[str, ...]] = {}
+    for lease in leases:
+        if lease.live:
+            groups_of.setdefault(lease.user, lease.groups)
+    share = fairness.fair_share(devices, leases)
+    names = {s[5:] for s in recent if s.startswith("user:")} | set(groups_of)
+    everyone = viewer.show_holders or viewer.admin
+    users = []
+    for name in names:
+        users.append(
+            {
+                "user": name if everyone or name == viewer.user else ANOTHER_USER,
+                "gpu_hours": round(recent.get(f"user:{name}", 0.0) / 3600.0, 3),
+                "quota": fairness.quota_of(name, groups_of.get(name, ()), cfg.quotas, share),
+                "held": round(held.get(f"user:{name}", 0.0), 3),
+            }
+        )
+    users.sort(key=lambda u: (-u["gpu_hours"], -u["held"], u["user"]))
+    groups = []
+    for subject in sorted({s for s in recent if s.startswith("group:")} | {s for s in held if s.startswith("group:")}):
+        name = subject[6:]
+        if not (everyone or name in viewer.groups):
+            continue
+        groups.append(
+            {
+                "group": name,
+                "gpu_hours": round(recent.get(subject, 0.0) / 3600.0, 3),
+                "held": round(held.get(subject, 0.0), 3),
+            }
+        )
+    groups.sort(key=lambda g: (-g["gpu_hours"], -g["held"], g["group"]))
+    return users, groups

@@ -23,6 +23,7 @@ from .. import core
 from ..api.input import Claim
 from ..api.views import Principal
 from ..core import Capabilities, KernelActivity, Lease, LeaseState, SchedConfig
+from ..core import usage as core_usage
 from ..devices.base import DeviceBackend, DeviceSnapshot, InventoryUnavailable
 from ..ledger import Ledger, LedgerError, LedgerWouldBlock, OwnerId, is_alive
 from ..reclaim.checkpoint import Checkpointer, Unavailable
@@ -53,6 +54,12 @@ class _State:
     drained: Mapping[str, str] = field(default_factory=dict)
     process_kernels: Mapping[int, str] = field(default_factory=dict)
     unleased: tuple[dict, ...] = ()
+    #: Recent usage per subject after the last pass (``core.usage``), the fair queue's keys of
+    #: the claims that pass left waiting, the usage it ordered them by, and when it ran.
+    usage: Mapping[str, core_usage.Accrued] = field(default_factory=dict)
+    keys: Mapping[str, tuple] = field(default_factory=dict)
+    recent: Mapping[str, float] = field(default_factory=dict)
+    planned_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,9 @@ class _Planned:
     #: Leases whose suspected-dead kernel is checked again at the next tick.
     suspects: frozenset[str] = frozenset()
     outcome: Any = None
+    #: Recent usage per subject as written by the transaction, and the transaction's time.
+    usage: Mapping[str, core_usage.Accrued] = field(default_factory=dict)
+    at: float = 0.0
 
 
 class LocalArbiter(LocalReads, Arbiter):
@@ -258,13 +268,25 @@ class LocalArbiter(LocalReads, Arbiter):
             outcome = change(tx, leases, devices) if change is not None else None
             if outcome is not None:
                 leases = tx.leases()
-            plan = core.plan(devices, leases, activity, now, self.cfg, self.caps)
+            # Recent usage, accrued up to now with what each user and group held since the last
+            # pass (of any process on this ledger), orders the queue after quota.
+            half_life = self.cfg.usage_half_life
+            book = core_usage.Book(tx.usage()) if half_life > 0 else None
+            recent = book.recent(now, half_life) if book is not None else None
+            plan = core.plan(devices, leases, activity, now, self.cfg, self.caps, usage=recent)
             read = {lease.id: lease for lease in leases}
             for lease_id in plan.changed:
                 # As read in this transaction: no need to read it again.
                 tx.put(plan.lease(lease_id), read.get(lease_id, ...))
+            records_after: Mapping[str, core_usage.Accrued] = {}
+            if book is not None:
+                written = book.advance(plan.leases, devices, now, half_life)
+                tx.write_usage(written, book.forget(now, half_life))
+                records_after = book.records
             self._own_new_kernels(tx, plan.leases)
-        return _Planned(plan, before, notices, dict(drained), tuple(released), frozenset(suspects), outcome)
+        return _Planned(
+            plan, before, notices, dict(drained), tuple(released), frozenset(suspects), outcome, records_after, now
+        )
 
     def _reap(self, tx, leases: list[Lease], now: float, devices, notices: list) -> tuple[list[Lease], list[Lease], set[str]]:
         """Release leases whose kernels are gone and leases on lost GPUs."""
@@ -344,6 +366,10 @@ class LocalArbiter(LocalReads, Arbiter):
         self.state.leases = tuple(plan.leases)
         self.state.queue = plan.queue
         self.state.drained = planned.drained
+        self.state.usage = planned.usage
+        self.state.keys = plan.keys
+        self.state.recent = plan.usage
+        self.state.planned_at = planned.at
         self._suspects = planned.suspects
         for lease in planned.released:
             self._remember(lease)
@@ -494,7 +520,20 @@ class LocalArbiter(LocalReads, Arbiter):
             if new.version <= current.version:
                 new = replace(new, version=current.version + 1)
             tx.put(new, current)
+            if new.devices != current.devices or new.holding != current.holding:
+                self._settle_usage(tx)
             return new
+
+    def _settle_usage(self, tx) -> None:
+        """Accrue recent usage up to now in ``tx`` after a write that took or gave back GPUs
+        outside a pass (a release, a suspend), so that what is no longer held stops counting now,
+        not at the next pass (which may come only after a restart)."""
+        half_life = self.cfg.usage_half_life
+        if half_life <= 0:
+            return
+        devices = [d.to_core() for d in self.state.snapshot]
+        book = core_usage.Book(tx.usage())
+        tx.write_usage(book.advance(tx.leases(), devices, tx.now, half_life))
 
     # -- lookups ---------------------------------------------------------------------------
     def _need_inventory(self) -> None:

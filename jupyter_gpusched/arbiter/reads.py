@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Callable
 
-from ..api.views import Principal, ViewContext, device_json, iso, lease_json, queue_json
+from ..api.views import Principal, ViewContext, device_json, iso, lease_json, queue_json, usage_json
 from ..core import Lease
 from ..core.ladder import checkpoint_bytes
+from ..core.fairness import explain
 from ..devices.base import DeviceSnapshot
 from .base import Forbidden
 
@@ -39,7 +40,7 @@ class LocalReads:
     def view_context(self) -> ViewContext:
         """The context of every view, made again only when the arbiter's view of the world changed."""
         state = self.state
-        key = (state.leases, state.queue, state.drained, state.snapshot, state.process_kernels)
+        key = (state.leases, state.queue, state.drained, state.snapshot, state.process_kernels, state.keys)
         cached_key, ctx = self._context_of
         if ctx is None or len(cached_key) != len(key) or any(a is not b for a, b in zip(cached_key, key)):
             ctx = self._make_context()
@@ -60,7 +61,11 @@ class LocalReads:
                 user = self.kernels.user_of(kernel_id)
                 if user is not None:
                     kernel_users[kernel_id] = user
+        by_id = {lease.id: lease for lease in self.state.leases}
+        waiting = [by_id[lid] for lid in self.state.queue if lid in by_id]
+        standing = explain(waiting, self.state.keys, self.state.recent, self.state.planned_at, self.cfg)
         return ViewContext(
+            standing=standing,
             now=self.clock(),
             positions=positions,
             notebooks=notebooks,
@@ -115,7 +120,7 @@ class LocalReads:
             },
             "devices": [self.render_device(d, viewer, ctx) for d in self.state.snapshot],
             "leases": [self.render_lease(le, viewer, ctx) for le in self.state.leases],
-            "queue": queue_json(queue, viewer),
+            "queue": queue_json(queue, viewer, ctx),
             "unleased_processes": list(self.state.unleased) if who.admin else [],
             "config": {
                 "idle_timeout": self.cfg.idle_timeout,
@@ -125,9 +130,13 @@ class LocalReads:
                 "reclaim_fallback": self.cfg.reclaim_fallback,
                 "max_keep": self.cfg.max_keep,
                 "poll_interval": self.poll_interval,
+                "usage_half_life": self.cfg.usage_half_life,
             },
             "time": iso(ctx.now),
         }
+        status["usage"], status["group_usage"] = usage_json(
+            self.state.usage, self.state.leases, ctx.devices, self.cfg, viewer, ctx.now
+        )
         return self.policy.status_extras(who, status)
 
     async def devices(self, who: Principal) -> list[dict]:

@@ -6,6 +6,7 @@ Everything here is a frozen dataclass. The core never mutates a record: it retur
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Mapping
 
@@ -207,6 +208,9 @@ class SchedConfig:
     #: Bytes of host memory that checkpoints may hold together (``None``: no limit). A checkpoint
     #: that would go over it is not taken; the reclaim ladder goes on to its next step.
     checkpoint_host_memory: int | None = None
+    #: Seconds in which a user's (and a group's) recent GPU usage decays by half; it orders the
+    #: queue after quota and picks which borrowed lease goes first (0: usage is not tracked).
+    usage_half_life: float = 86400.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -222,6 +226,10 @@ class SchedConfig:
                 raise SchedulingError(f"{name} must be 0 or more seconds")
         if self.checkpoint_host_memory is not None and self.checkpoint_host_memory < 0:
             raise SchedulingError("checkpoint_host_memory must be 0 or more bytes")
+        if not self.usage_half_life >= 0 or math.isinf(self.usage_half_life):
+            raise SchedulingError(
+                f"usage_half_life must be 0 (usage not tracked) or a finite number of seconds, not {self.usage_half_life!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -255,6 +263,10 @@ class Plan:
     changed: tuple[str, ...]
     queue: tuple[str, ...]
     next_wakeup: float | None
+    #: The fair queue's key of each waiting claim, and the recent usage (subject -> GPU-seconds)
+    #: the pass ordered by: what ``fairness.explain`` says why each claim stands where it does from.
+    keys: Mapping[str, tuple] = field(default_factory=dict)
+    usage: Mapping[str, float] = field(default_factory=dict)
 
     def lease(self, lease_id: str) -> Lease | None:
         index = self.__dict__.get("_index")

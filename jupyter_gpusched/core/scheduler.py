@@ -107,7 +107,7 @@ _NOT_OBSERVED = frozenset({LeaseState.PENDING, LeaseState.SUSPENDED})
 
 
 class _Pass:
-    def __init__(self, devices, leases, activity, now, cfg, caps) -> None:
+    def __init__(self, devices, leases, activity, now, cfg, caps, recent=None) -> None:
         self.devices: Sequence[Device] = tuple(devices)
         host = _host(self.devices)
         self.host = host
@@ -131,6 +131,10 @@ class _Pass:
         self._room_known = cfg.checkpoint_host_memory is None
         #: Idle leases wanted back only because their step keeps the kernel's state.
         self.gentle_only: set[str] = set()
+        # Recent usage per subject (core/usage.py); none when usage_half_life is 0.
+        self.recent: Mapping[str, float] = recent if recent and cfg.usage_half_life > 0 else {}
+        #: The key each claim came out of the fair queue with (for fairness.explain).
+        self.keys: dict[str, tuple] = {}
 
     # -- helpers ---------------------------------------------------------------------------
     def set(self, lease: Lease, kind: str | None = None, reason: str = "", position: int | None = None) -> Lease:
@@ -216,7 +220,7 @@ class _Pass:
         if pending:
             # fairness.fair_share(self.devices, live), with the schedulable devices counted once per host.
             share = len(self.pool) / max(1, len({lease.user for lease in live}))
-            usage = fairness.Usage(live, self.cfg.quotas, share)
+            usage = fairness.Usage(live, self.cfg.quotas, share, self.recent)
             queue, blocked = self.grant(pending, usage)
             wanted = self.victims_for(blocked, usage, limits)
         else:
@@ -237,6 +241,8 @@ class _Pass:
             changed=changed,
             queue=tuple(le.id for le in waiting),
             next_wakeup=min(self.wakeups) if self.wakeups else None,
+            keys={le.id: self.keys[le.id] for le in waiting if le.id in self.keys},
+            usage=self.recent,
         )
 
     def observe(self) -> None:
@@ -413,7 +419,7 @@ class _Pass:
             usage.add(lease)
             return True
 
-        queue = fairness.fair_order(pending, usage, self.now, self.cfg, serve=serve)
+        queue = fairness.fair_order(pending, usage, self.now, self.cfg, serve=serve, keys=self.keys)
         return queue, blocked
 
     def why_waiting(self, lease: Lease, possible: bool) -> str:
@@ -458,7 +464,17 @@ class _Pass:
                 eligible.append((idle_for, lease, anyone))
             elif lease.last_active_at is not None:
                 self.wake(lease.last_active_at + threshold)
-        eligible.sort(key=lambda item: (-item[0], item[1].id))
+        if self.recent:
+            # Borrowed leases first, of the user with the most recent usage per guaranteed GPU
+            # first; then, as without usage, the longest idle first.
+            def heaviest(item: tuple[float, Lease, bool]) -> tuple:
+                idle_for, lease, _ = item
+                weight = usage.used_ratio(lease.user) if lease.id in borrowed else -1.0
+                return (-weight, -idle_for, lease.id)
+
+            eligible.sort(key=heaviest)
+        else:
+            eligible.sort(key=lambda item: (-item[0], item[1].id))
         chosen: dict[str, str] = {}
         # The host as it will be once the chosen victims are gone and the claims before this one
         # hold their devices: two waiting claims must not count on the same freed GPU, and a claim
@@ -498,7 +514,11 @@ class _Pass:
                 for vid in picked:
                     above = self.cfg.policy == "hybrid" and vid in borrowed
                     share = " beyond its user's guaranteed share" if above else ""
-                    chosen[vid] = f"idle{share} while {claim.user} waits for a GPU"
+                    why = f"idle{share} while {claim.user} waits for a GPU"
+                    if self.recent and vid in borrowed:
+                        owner = holding[vid].user
+                        why += f" ({owner} used {usage.used(owner) / 3600.0:.1f} GPU-hours recently)"
+                    chosen[vid] = why
                     vacate(planned, holding[vid], self.by_uuid)
             occupy(planned, evolve(claim, state=LeaseState.ACTIVE, devices=placed[0]), self.by_uuid)
         return chosen
@@ -722,7 +742,13 @@ def plan(
     now: float,
     cfg: SchedConfig,
     caps: Capabilities = Capabilities(),
+    usage: Mapping[str, float] | None = None,
 ) -> Plan:
-    """Run one scheduling pass over the live leases (released ones are ignored)."""
+    """Run one scheduling pass over the live leases (released ones are ignored).
+
+    ``usage``: each subject's recent usage in GPU-seconds (``core.usage.recent``); it orders the
+    queue after quota and the borrowed leases to reclaim. Ignored when ``cfg.usage_half_life``
+    is 0; ``None``: nobody used anything yet.
+    """
     live = [lease for lease in leases if lease.state in LIVE]
-    return _Pass(devices, live, activity, now, cfg, caps).run()
+    return _Pass(devices, live, activity, now, cfg, caps, usage).run()

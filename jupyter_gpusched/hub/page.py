@@ -1,7 +1,7 @@
 """The broker's page at the service's URL: hub login through OAuth (``HubOAuth``).
 
 A hub admin sees the whole host: every GPU with its telemetry, every lease with its user, the
-queue, GPU processes that belong to no lease (with their Unix user), GPU processes left behind
+queue (and why each claim stands where it does), each user's and group's recent GPU usage, GPU processes that belong to no lease (with their Unix user), GPU processes left behind
 by servers that stopped sending heartbeats, the connected servers; and can drain, undrain and
 release. Any other user with access to the service sees the host as the REST API shows it to
 them: their own leases in full, others' as held by "another user".
@@ -25,6 +25,7 @@ from jupyterhub.services.auth import HubOAuthCallbackHandler, HubOAuthenticated,
 from tornado import web
 
 from ..core import format_bytes
+from ..core.fairness import half_life_text
 from ..api.input import http_error
 from ..api.views import Principal
 
@@ -140,6 +141,7 @@ class PageHandler(PageBase):
         parts += self._devices(status, who)
         parts += self._leases(status, who)
         parts += self._queue(status)
+        parts += self._usage(status)
         if who.admin:
             parts += self._processes(status)
             parts += self._servers(status)
@@ -248,14 +250,41 @@ class PageHandler(PageBase):
     def _queue(self, status: dict) -> list[str]:
         rows = [
             f"<tr><td>{_e(q['position'])}</td><td>{_e(q['user'])}</td><td>{_e(q['count'])}</td>"
-            f"<td>{_e(q['waiting_since'])}</td><td><code>{_e(q['lease_id'][:12])}</code></td></tr>"
+            f"<td>{_e(q['waiting_since'])}</td><td><code>{_e(q['lease_id'][:12])}</code></td>"
+            f"<td>{_e(q.get('reason'))}</td></tr>"
             for q in status.get("queue", [])
-        ] or ["<tr><td colspan='5' class='muted'>nobody waits</td></tr>"]
+        ] or ["<tr><td colspan='6' class='muted'>nobody waits</td></tr>"]
         return [
-            "<h2>Queue</h2><table><tr><th>position</th><th>user</th><th>GPUs</th><th>waiting since</th><th>lease</th></tr>",
+            "<h2>Queue</h2><table><tr><th>position</th><th>user</th><th>GPUs</th><th>waiting since</th><th>lease</th>"
+            "<th>why here</th></tr>",
             *rows,
             "</table>",
         ]
+
+    def _usage(self, status: dict) -> list[str]:
+        """Recent usage per user and group (fair share with memory), when the broker tracks it."""
+        half_life = (status.get("config") or {}).get("usage_half_life")
+        if not half_life:
+            return []
+        rows = [
+            f"<tr><td>{_e(u['user'])}</td><td>{float(u['gpu_hours']):.1f}</td><td>{float(u['quota']):g}</td>"
+            f"<td>{float(u['held']):g}</td></tr>"
+            for u in status.get("usage", [])
+        ] or ["<tr><td colspan='4' class='muted'>nobody used a GPU recently</td></tr>"]
+        parts = [
+            f"<h2>Recent usage</h2><p class='muted'>GPU-hours held, halving every {_e(half_life_text(float(half_life)))}; "
+            "it orders the queue after quota and picks whose borrowed GPU is taken back first.</p>"
+            "<table><tr><th>user</th><th>GPU-hours</th><th>quota (GPUs)</th><th>holds now</th></tr>",
+            *rows,
+            "</table>",
+        ]
+        groups = [
+            f"<tr><td>{_e(g['group'])}</td><td>{float(g['gpu_hours']):.1f}</td><td>{float(g['held']):g}</td></tr>"
+            for g in status.get("group_usage", [])
+        ]
+        if groups:
+            parts += ["<table><tr><th>group</th><th>GPU-hours</th><th>holds now</th></tr>", *groups, "</table>"]
+        return parts
 
     def _processes(self, status: dict) -> list[str]:
         index = {d["uuid"]: d["index"] for d in status.get("devices", [])}

@@ -430,6 +430,19 @@ def status_report(
             text.append("")
             text.extend(_text_table(q_header, [r for r, _ in q_rows]))
             html_parts.append("<h4>Queue</h4>" + _html_table(q_header, q_rows))
+        usage_rows = usage_table(status, kernel_id)
+        if usage_rows is not None:
+            title, rows_u = usage_rows
+            u_header = ("User", "GPU-hours", "Quota", "Holds now")
+            text.append("")
+            text.append(title)
+            html_parts.append(f"<h4>{html.escape(title)}</h4>")
+            if rows_u:
+                text.extend(_text_table(u_header, [r for r, _ in rows_u]))
+                html_parts.append(_html_table(u_header, rows_u))
+            else:
+                text.append("Nobody used a GPU recently.")
+                html_parts.append("<p>Nobody used a GPU recently.</p>")
         strays = [
             (dev.get("index"), proc)
             for dev in devices
@@ -454,6 +467,48 @@ def status_report(
             text.append(f"Scheduler: {meta}.")
             html_parts.append(f"<p><small>Scheduler: {html.escape(meta)}.</small></p>")
     return "\n".join(text), "\n".join(html_parts)
+
+
+def half_life_label(seconds: float) -> str:
+    """``86400`` -> ``1 day``; else a duration (``12h00m``)."""
+    days = seconds / 86400.0
+    if days >= 1 and days == int(days):
+        return f"{int(days)} day{'s' if days > 1 else ''}"
+    return format_duration(seconds)
+
+
+def gpus_number(value: object) -> str:
+    """``2.0`` -> ``2``, ``0.5`` -> ``0.5``."""
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return "-"
+    return f"{number:g}"
+
+
+def usage_table(
+    status: Mapping[str, Any], kernel_id: str | None = None
+) -> tuple[str, list[tuple[tuple[str, ...], bool]]] | None:
+    """The status's recent usage per user as a title and table rows (the viewer's own row
+    highlighted), or ``None`` when the server does not track usage (``usage_half_life`` 0)."""
+    half_life = (status.get("config") or {}).get("usage_half_life")
+    if not half_life or "usage" not in status:
+        return None
+    me = status.get("user")
+    title = f"Recent GPU usage (half-life {half_life_label(float(half_life))}):"
+    rows = [
+        (
+            (
+                str(u.get("user")),
+                f"{float(u.get('gpu_hours') or 0.0):.1f}",
+                gpus_number(u.get("quota")),
+                gpus_number(u.get("held")),
+            ),
+            bool(me and u.get("user") == me),
+        )
+        for u in status.get("usage") or []
+    ]
+    return title, rows
 
 
 def _text_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:

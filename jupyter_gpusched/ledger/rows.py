@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from ..core import Lease, LeaseState, Step
 from ..core.model import LIVE
+from ..core.usage import Accrued
 from ..procs import OwnerId
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "select_leases",
     "select_owners",
     "select_pruned",
+    "select_usage",
     "to_row",
 ]
 
@@ -169,6 +171,13 @@ def select_owners(conn: sqlite3.Connection, live_only: bool = True) -> dict[str,
     return {
         lease_id: Owner(lease_id, kernel_id, server_id, OwnerId(pid, create_time, hostname), since)
         for lease_id, kernel_id, server_id, pid, create_time, hostname, since in rows
+    }
+
+
+def select_usage(conn: sqlite3.Connection) -> dict[str, Accrued]:
+    return {
+        r[0]: Accrued(r[1], r[2], r[3])
+        for r in conn.execute("SELECT subject, gpu_seconds, held, as_of FROM usage ORDER BY subject")
     }
 
 

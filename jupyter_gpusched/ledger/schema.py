@@ -140,14 +140,27 @@ def _v4(conn: sqlite3.Connection) -> None:
 
 
 def _v5(conn: sqlite3.Connection) -> None:
-    """Over-share: when a shared lease was first seen holding more than its memory share."""
+    """Schema 5: recent GPU usage per subject (``user:NAME``, ``group:NAME``) for fair share with
+    memory, and when a shared lease was first seen holding more than its memory share.
+
+    ``gpu_seconds`` is the usage decayed to ``as_of`` and ``held`` the GPUs' worth the subject
+    holds since then (``core.usage.Accrued``), so that a restart forgets nothing.
+    """
+    conn.execute(
+        """CREATE TABLE usage (
+            subject TEXT PRIMARY KEY,
+            gpu_seconds REAL NOT NULL,
+            held REAL NOT NULL DEFAULT 0,
+            as_of REAL NOT NULL
+        )"""
+    )
     conn.execute('ALTER TABLE leases ADD COLUMN "over_share_since" REAL')
 
 
 #: ``MIGRATIONS[n]`` takes a file from schema ``n`` to ``n + 1``; a new file runs them all.
 MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_v1, _v2, _v3, _v4, _v5)
 SCHEMA_VERSION = len(MIGRATIONS)
-TABLES = frozenset({"leases", "events", "owners", "devices", "checkpoints", "pruned"})
+TABLES = frozenset({"leases", "events", "owners", "devices", "checkpoints", "pruned", "usage"})
 
 
 def user_tables(conn: sqlite3.Connection) -> set[str]:

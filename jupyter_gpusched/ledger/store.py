@@ -27,7 +27,9 @@ from .rows import (
     select_leases,
     select_owners,
     select_pruned,
+    select_usage,
 )
+from ..core.usage import Accrued
 from .schema import MIGRATIONS, SCHEMA_VERSION, SQLITE_MAGIC, TABLES, schema_tables, user_tables
 from .transaction import Transaction
 
@@ -302,6 +304,10 @@ class Ledger:
     def checkpoints(self, lease_id: str | None = None) -> list[Checkpoint]:
         """Checkpointed processes not restored yet, of one lease or all."""
         return self._read(lambda c: select_checkpoints(c, lease_id))
+
+    def usage(self) -> dict[str, Accrued]:
+        """Each subject's recent usage record (``core.usage``): ``user:NAME`` and ``group:NAME``."""
+        return self._read(select_usage)
 
     def pruned(self) -> Pruned | None:
         """What :meth:`prune` took out so far, or ``None`` if the history is complete."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
+from typing import Iterable, Mapping
 
 from ..core import Lease, LeaseState
 from ..procs import OwnerId
@@ -22,8 +23,10 @@ from .rows import (
     select_lease,
     select_leases,
     select_owners,
+    select_usage,
     to_row,
 )
+from ..core.usage import Accrued
 
 __all__ = ["Transaction"]
 
@@ -193,6 +196,25 @@ class Transaction:
     def drop_checkpoint(self, pid: int, create_time: float) -> None:
         """The process was restored (or is gone): forget its checkpoint."""
         self._c().execute("DELETE FROM checkpoints WHERE pid = ? AND create_time = ?", (pid, create_time))
+
+    # recent usage
+    def usage(self) -> dict[str, Accrued]:
+        """Each subject's recent usage record (``core.usage``), by subject."""
+        return select_usage(self._c())
+
+    def write_usage(self, written: Mapping[str, Accrued], forgotten: Iterable[str] = ()) -> None:
+        """Write the usage records ``written`` and delete those of the subjects ``forgotten``."""
+        conn = self._c()
+        gone = [(s,) for s in forgotten]
+        if gone:
+            conn.executemany("DELETE FROM usage WHERE subject = ?", gone)
+        if written:
+            conn.executemany(
+                """INSERT INTO usage (subject, gpu_seconds, held, as_of) VALUES (?, ?, ?, ?)
+                   ON CONFLICT(subject) DO UPDATE SET gpu_seconds = excluded.gpu_seconds,
+                     held = excluded.held, as_of = excluded.as_of""",
+                [(s, r.gpu_seconds, r.held, r.as_of) for s, r in written.items()],
+            )
 
     # devices
     def drained(self) -> dict[str, str]:

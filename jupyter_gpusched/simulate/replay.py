@@ -40,6 +40,7 @@ from dataclasses import dataclass, field, replace
 
 from ..core import idle
 from ..core.ladder import checkpoint_bytes
+from ..core import usage as core_usage
 from ..core.lifecycle import new_claim, request_resume, step_done, suspended
 from ..core.model import (
     Capabilities,
@@ -311,6 +312,8 @@ class _Node:
         "held_since",
         "held_seconds",
         "checkpoint_bytes",
+        "usage",
+        "swept_at",
     )
 
     def __init__(self, index: int, name: str, devices: tuple[Device, ...]) -> None:
@@ -325,6 +328,9 @@ class _Node:
         self.held = 0
         self.held_since = 0.0
         self.held_seconds = 0.0
+        # Recent usage per user and group, as the node broker's ledger keeps it (core.usage).
+        self.usage = core_usage.Book()
+        self.swept_at = 0.0
 
     def change_held(self, now: float, delta: int) -> None:
         self.held_seconds += self.held * (now - self.held_since)
@@ -460,8 +466,19 @@ class _Replay:
 
     def settle(self, node: _Node, now: float) -> None:
         """Scheduling passes of ``node``'s broker at ``now`` until nothing that was freed can be granted."""
+        # The static queue is first come, first served: usage would change nothing there.
+        half_life = self.cfg.usage_half_life if self.cfg.policy != "static" else 0.0
         for _ in range(64):
-            result = plan(node.devices, node.leases.values(), self.activity, now, self.cfg, self.caps)
+            # As the arbiter's planning transaction: usage accrued up to now orders the queue,
+            # and what the pass leaves held accrues from now on.
+            recent = node.usage.recent(now, half_life) if half_life > 0 else None
+            result = plan(node.devices, node.leases.values(), self.activity, now, self.cfg, self.caps, usage=recent)
+            if half_life > 0:
+                node.usage.advance(result.leases, node.devices, now, half_life)
+                if now - node.swept_at >= half_life:
+                    # Housekeeping only: a record forgotten here already counted as 0.
+                    node.usage.forget(now, half_life)
+                    node.swept_at = now
             self.passes += 1
             node.leases = leases = {lease.id: lease for lease in result.leases}
             freed = False
