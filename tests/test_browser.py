@@ -168,11 +168,37 @@ def test_sidebar_shows_both_leases_on_their_devices(lab, page, notebooks, shots)
     # Nobody else holds a GPU, and the panel says which GPUs are taken by whom, nothing more.
     assert panel.locator(".jp-gpusched-Lease").count() == 2
     assert panel.locator(".jp-gpusched-Holder").count() == 2
+
+    # Recent usage: one row, this server's user, marked as the viewer, holding both GPUs now,
+    # with the quota and GPU-hours the server reports.
+    usage = panel.locator(".jp-gpusched-Usage")
+    heading = usage.locator(".jp-gpusched-SectionTitle").text_content()
+    assert heading.startswith("Recent usage (half-life 1 day)"), heading
+    status = lab.status()
+    assert status["config"]["usage_half_life"] == 86400
+    user = status["user"]
+    row = usage.locator(".jp-gpusched-UsageRow")
+    wait_for(lambda: row.count() == 1 and _usage_cells(row.first)[3] == "2", 10, "the usage row to hold 2 GPUs")
+    (entry,) = [u for u in lab.status()["usage"] if u["user"] == user]
+    cells = _usage_cells(row.first)
+    assert cells[0] == f"{user} (you)" and row.first.get_attribute("data-own") == "true", cells
+    assert cells[2] == _amount(entry["quota"]) and cells[3] == _amount(entry["held"]) == "2", (cells, entry)
+    assert re.fullmatch(r"<0\.1|\d+(\.\d)?", cells[1]), cells
     box = panel.bounding_box()
     page.screenshot(
         path=str(shots / "sidebar.png"),
-        clip={"x": 0, "y": 0, "width": min(1400, box["x"] + box["width"] + 620), "height": 640},
+        clip={"x": 0, "y": 0, "width": min(1400, box["x"] + box["width"] + 620), "height": 900},
     )
+
+
+def _usage_cells(row) -> list[str]:
+    """The cells of a row of the sidebar's Recent usage table: user, GPU-hours, quota, held now."""
+    return [text.strip() for text in row.locator("th, td").all_text_contents()]
+
+
+def _amount(value: float) -> str:
+    """GPUs as the usage table shows them: at most two decimals, no trailing zeros."""
+    return f"{value:.2f}".rstrip("0").rstrip(".")
 
 
 def test_status_bar_names_each_notebooks_own_device(lab, page, notebooks, shots):

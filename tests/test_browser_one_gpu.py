@@ -100,12 +100,41 @@ def test_a_claim_that_must_queue_shows_in_the_sidebar_and_status_bar(server, pag
     assert [q["kernel_id"] for q in queued] == [waiter], queued
     assert entry.get_attribute("data-lease-id") == queued[0]["lease_id"]
 
+    # Under the entry, why B waits and stands where it does, as the server says it.
+    shown = entry.locator(".jp-gpusched-QueueReason")
+
+    seen: dict[str, str | None] = {}
+
+    def same_reason() -> str | None:
+        seen["said"] = server.status()["queue"][0]["reason"]
+        seen["shown"] = shown.text_content() if shown.count() == 1 else None
+        return seen["said"] if seen["said"] and seen["shown"] == seen["said"] else None
+
+    try:
+        reason = wait_for(same_reason, 10, "the queue entry to show the server's reason")
+    except AssertionError as err:
+        said, entry_says = seen.get("said"), seen.get("shown")
+        raise AssertionError(f"{err}: the server says {said!r}, the entry {entry_says!r}") from None
+    assert "1st in line" in reason and "GPU-hours recently (half-life 1 day)" in reason, reason
+    assert shown.get_attribute("title") == reason
+
+    # Recent usage: the one user of this server, marked as the viewer, holds the only GPU.
+    usage = panel.locator(".jp-gpusched-Usage")
+    assert usage.locator(".jp-gpusched-SectionTitle").text_content().startswith("Recent usage (half-life 1 day)")
+    rows = usage.locator(".jp-gpusched-UsageRow")
+    user = server.status()["user"]
+    assert [u["user"] for u in server.status()["usage"]] == [user]
+    wait_for(lambda: rows.count() == 1, 10, "one row of recent usage")
+    cells = [text.strip() for text in rows.first.locator("th, td").all_text_contents()]
+    assert cells[0] == f"{user} (you)" and cells[3] == "1", cells
+    assert rows.first.get_attribute("data-own") == "true"
+
     # One notification, in one sentence, that says where B stands.
     toast = toasts(page, re.compile(rf"GPU request for {re.escape(WAITER)} queued"))
     toast.first.wait_for(timeout=SHOWN_WITHIN_MS)
     assert toast.count() == 1
     assert toast.first.inner_text().strip() == f"GPU request for {WAITER} queued at position 1"
-    page.screenshot(path=str(shots / "queue.png"), clip={"x": 0, "y": 0, "width": 1100, "height": 560})
+    page.screenshot(path=str(shots / "queue.png"), clip={"x": 0, "y": 0, "width": 1100, "height": 900})
 
     # A gives its GPU back: B gets it, and the queue empties.
     activate(page, HOLDER)

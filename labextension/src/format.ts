@@ -5,7 +5,16 @@
  * Nothing here touches the DOM, the network or the clock: time is passed in (milliseconds
  * since the epoch, as `Date.now()` gives).
  */
-import type { IDevice, IdleStep, ILease, IStatus, LeaseState } from './api';
+import type {
+  ICheckpointInfo,
+  IDevice,
+  IdleStep,
+  ILease,
+  IQueueEntry,
+  IStatus,
+  IUserUsage,
+  LeaseState
+} from './api';
 
 /** What is shown where a value is unknown. */
 export const UNKNOWN = 'n/a';
@@ -715,4 +724,159 @@ export function summarizeKernel(
   }
   const description = `${details.join('; ')}.${outlook ? ` ${outlook.sentence}` : ''}`;
   return { text: parts.join(' · '), description, state: lease.state };
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fair share: recent usage, queue reasons, memory shares, checkpoint memory
+
+/**
+ * `usage_half_life` as the server words it in queue reasons: `86400` -> `"1 day"`,
+ * `259200` -> `"3 days"`, else a duration (`43200` -> `"12h 00m"`).
+ */
+export function formatHalfLife(seconds: number | null | undefined): string {
+  if (seconds === null || seconds === undefined || !Number.isFinite(seconds)) {
+    return UNKNOWN;
+  }
+  const days = seconds / 86400;
+  if (days >= 1 && Number.isInteger(days)) {
+    return `${days} day${days > 1 ? 's' : ''}`;
+  }
+  return formatDuration(seconds);
+}
+
+/** A count of GPUs or GPU-hours, to at most `digits` decimals: `1` -> `"1"`, `0.25` -> `"0.3"`. */
+export function formatAmount(
+  value: number | null | undefined,
+  digits = 1
+): string {
+  if (value === null || value === undefined || !Number.isFinite(value)) {
+    return UNKNOWN;
+  }
+  const fixed = Math.max(0, value).toFixed(digits);
+  return fixed.includes('.') ? fixed.replace(/\.?0+$/, '') : fixed;
+}
+
+/** GPU-hours for the usage table: `0.73` -> `"0.7"`, a little above 0 -> `"<0.1"`. */
+export function formatGpuHours(hours: number | null | undefined): string {
+  if (typeof hours === 'number' && hours > 0 && hours < 0.05) {
+    return '<0.1';
+  }
+  return formatAmount(hours, 1);
+}
+
+/** Whether the server tracks recent usage (`usage_half_life` > 0) and sent it. */
+export function usageTracked(status: IStatus): boolean {
+  const halfLife = status.config?.usage_half_life;
+  if (typeof halfLife === 'number' && halfLife <= 0) {
+    return false;
+  }
+  return Array.isArray(status.usage);
+}
+
+/** The heading of the recent usage table: `"Recent usage (half-life 1 day)"`. */
+export function usageHeading(status: IStatus): string {
+  const halfLife = status.config?.usage_half_life;
+  return typeof halfLife === 'number' && halfLife > 0
+    ? `Recent usage (half-life ${formatHalfLife(halfLife)})`
+    : 'Recent usage';
+}
+
+/** One row of the recent usage table, as shown. */
+export interface IUsageRow {
+  user: string;
+  /** GPU-hours held recently, decayed. */
+  gpuHours: string;
+  /** GPUs guaranteed. */
+  quota: string;
+  /** GPUs' worth held now. */
+  held: string;
+  /** The viewer's own row. */
+  own: boolean;
+  /** Whether the user holds more GPUs now than their quota. */
+  overQuota: boolean;
+  /** The row in words, for a tooltip. */
+  title: string;
+}
+
+/** The rows of the recent usage table, in the server's order (most GPU-hours first). */
+export function usageRows(status: IStatus): IUsageRow[] {
+  return (status.usage ?? []).map((entry: IUserUsage) => {
+    const own = Boolean(status.user) && entry.user === status.user;
+    const gpuHours = formatGpuHours(entry.gpu_hours);
+    const quota = formatAmount(entry.quota, 2);
+    const held = formatAmount(entry.held, 2);
+    return {
+      user: entry.user,
+      gpuHours,
+      quota,
+      held,
+      own,
+      overQuota: entry.held > entry.quota + 1e-9,
+      title:
+        `${own ? 'You' : entry.user}: ${gpuHours} GPU-hours recently; ` +
+        `${quota} GPU${entry.quota === 1 ? '' : 's'} guaranteed; ` +
+        `${held === '0' ? 'no GPU' : `${held} GPU${entry.held === 1 ? '' : 's'}`} held now`
+    };
+  });
+}
+
+/**
+ * Why a queued claim stands where it does: the queue entry's reason, or the pending lease's
+ * (lease events keep that one current); empty where the server does not say.
+ */
+export function queueReason(
+  entry: IQueueEntry,
+  lease: ILease | null | undefined
+): string {
+  if (lease && lease.state === 'pending' && lease.reason) {
+    return lease.reason;
+  }
+  return entry.reason ?? '';
+}
+
+/**
+ * How much host memory checkpoints hold against `checkpoint_host_memory`:
+ * `"Checkpoints hold 12.0 GiB of 64.0 GiB host memory"`, or `null` where checkpoints are not
+ * available or the server does not say.
+ */
+export function checkpointMemoryLine(
+  checkpoint: ICheckpointInfo | null | undefined
+): string | null {
+  if (!checkpoint || !checkpoint.available) {
+    return null;
+  }
+  const held = checkpoint.host_memory_held;
+  const budget = checkpoint.host_memory_budget;
+  if (typeof held !== 'number' && budget === undefined) {
+    return null;
+  }
+  const heldText = formatBytes(held ?? 0);
+  if (typeof budget === 'number') {
+    return `Checkpoints hold ${heldText} of ${formatBytes(budget)} host memory`;
+  }
+  return `Checkpoints hold ${heldText} host memory (no limit)`;
+}
+
+/** Whether checkpoints hold their whole host memory budget (`held >= budget`). */
+export function checkpointMemoryFull(
+  checkpoint: ICheckpointInfo | null | undefined
+): boolean {
+  const budget = checkpoint?.host_memory_budget;
+  return (
+    typeof budget === 'number' &&
+    typeof checkpoint?.host_memory_held === 'number' &&
+    checkpoint.host_memory_held >= budget
+  );
+}
+
+/**
+ * A shared lease over its memory share: `"over its memory share for 2m 05s"`; `null` within it.
+ */
+export function overShareLabel(lease: ILease, nowMs: number): string | null {
+  const since = parseTime(lease.over_share_since);
+  if (since === null) {
+    return null;
+  }
+  const seconds = Math.max(0, (nowMs - since) / 1000);
+  return `over its memory share for ${formatDuration(seconds)}`;
 }

@@ -21,6 +21,7 @@ import {
   INotice,
   IStatus,
   IStatusPayload,
+  LeaseUpdate,
   parseEvent
 } from './api';
 import { effectiveKeepSeconds, leaseOfKernel, queuePosition } from './format';
@@ -119,6 +120,7 @@ export class GPUSchedModel implements IDisposable {
     this._clock = options.clock ?? Date.now;
     this._retry = options.retry ?? DEFAULT_RETRY;
     this._snapshotWaitMs = options.snapshotWaitMs ?? 3000;
+    this._usageRefreshMs = options.usageRefreshMs ?? 2000;
     this._refreshInterval = Math.max(1, options.refreshInterval ?? 5);
     this._poll = new Poll({
       auto: false,
@@ -219,10 +221,14 @@ export class GPUSchedModel implements IDisposable {
     if (event.type === 'snapshot') {
       this._syncClock(event.status.time);
     }
-    const next = applyEvent(this._status, event);
-    if (next !== this._status) {
+    const previous = this._status;
+    const next = applyEvent(previous, event);
+    if (next !== previous) {
       this._status = next;
       this._changed.emit();
+      if (event.type === 'lease' && previous !== null && next !== null) {
+        this._refreshUsageAfter(previous, event.lease);
+      }
     }
   }
 
@@ -466,6 +472,34 @@ export class GPUSchedModel implements IDisposable {
     this._changed.emit();
   }
 
+  /**
+   * The events carry leases and devices, not the recent usage per user nor the queue's
+   * reasons: when a lease event changes who holds or waits for a GPU (a lease appears, changes
+   * state or goes), fetch the status again shortly after, once for a burst of events.
+   */
+  private _refreshUsageAfter(previous: IStatus, update: LeaseUpdate): void {
+    if (
+      this._connection !== 'live' ||
+      previous.usage === undefined ||
+      this._usageTimer !== null
+    ) {
+      return;
+    }
+    const before = previous.leases.find(lease => lease.id === update.id);
+    if (
+      before !== undefined &&
+      (update.state ?? before.state) === before.state
+    ) {
+      return;
+    }
+    this._usageTimer = setTimeout(() => {
+      this._usageTimer = null;
+      if (this._connection === 'live') {
+        void this.refresh();
+      }
+    }, this._usageRefreshMs);
+  }
+
   private _refreshUnlessLive(): void {
     if (this._connection !== 'live') {
       void this.refresh();
@@ -518,6 +552,10 @@ export class GPUSchedModel implements IDisposable {
       clearTimeout(this._snapshotTimer);
       this._snapshotTimer = null;
     }
+    if (this._usageTimer !== null) {
+      clearTimeout(this._usageTimer);
+      this._usageTimer = null;
+    }
   }
 
   private _changed = new Signal<this, void>(this);
@@ -542,6 +580,8 @@ export class GPUSchedModel implements IDisposable {
   private _started = false;
   private _retryTimer: ReturnType<typeof setTimeout> | null = null;
   private _snapshotTimer: ReturnType<typeof setTimeout> | null = null;
+  private _usageRefreshMs: number;
+  private _usageTimer: ReturnType<typeof setTimeout> | null = null;
   private _isDisposed = false;
 }
 
@@ -581,5 +621,10 @@ export namespace GPUSchedModel {
     snapshotWaitMs?: number;
     /** When polling stands by. */
     standby?: Poll.Standby;
+    /**
+     * While live, how long after a lease event that changes who holds or waits the status is
+     * fetched again for the recent usage and the queue's reasons, ms.
+     */
+    usageRefreshMs?: number;
   }
 }

@@ -14,12 +14,16 @@ import {
 } from './api';
 import {
   baseName,
+  checkpointMemoryFull,
+  checkpointMemoryLine,
   clampPercent,
   deviceIndicesOf,
   formatBytes,
   formatCountdown,
   formatDeviceIndices,
+  formatAmount,
   formatDuration,
+  formatGpuHours,
   formatMemory,
   formatPercent,
   holderOf,
@@ -31,10 +35,15 @@ import {
   keepRemaining,
   leaseLabel,
   leaseMemory,
+  overShareLabel,
   percentOf,
+  queueReason,
   reclaimCountdown,
   stateLabel,
-  unleasedProcesses
+  unleasedProcesses,
+  usageHeading,
+  usageRows,
+  usageTracked
 } from './format';
 import { useNow, usePending } from './hooks';
 import { gpuIcon } from './icons';
@@ -116,6 +125,7 @@ function hasClock(status: IStatus | null): boolean {
         lease.state === 'reclaiming' ||
         lease.reclaim_at !== null ||
         lease.keep_until !== null ||
+        Boolean(lease.over_share_since) ||
         Boolean(lease.idle_forecast)
     )
   );
@@ -187,6 +197,7 @@ function PanelView(props: IViewProps): React.ReactElement {
             pending={pending}
             run={run}
           />
+          <UsageSection status={status} />
         </>
       )}
     </div>
@@ -205,6 +216,7 @@ function Summary(props: { status: IStatus }): React.ReactElement {
   } else if (status.is_admin) {
     parts.push('admin');
   }
+  const checkpointLine = checkpointMemoryLine(status.checkpoint);
   return (
     <div className="jp-gpusched-Summary">
       <p className="jp-gpusched-SummaryLine">{parts.join(' · ')}</p>
@@ -220,6 +232,15 @@ function Summary(props: { status: IStatus }): React.ReactElement {
           {status.checkpoint.available
             ? 'Idle GPUs are suspended with a checkpoint (state kept).'
             : `No checkpoint: ${status.checkpoint.reason || 'not supported here'}.`}
+        </p>
+      )}
+      {checkpointLine && (
+        <p
+          className="jp-gpusched-CheckpointMemory"
+          data-full={checkpointMemoryFull(status.checkpoint) ? 'true' : 'false'}
+          title="Host memory that checkpoints of suspended kernels hold, against checkpoint_host_memory"
+        >
+          {checkpointLine}
         </p>
       )}
     </div>
@@ -239,6 +260,8 @@ function Section(props: {
   name: string;
   title: string;
   count: number;
+  /** The heading, where it is more than the title. */
+  heading?: string;
   children: React.ReactNode;
 }): React.ReactElement {
   const headingId = `jp-gpusched-${props.name}-heading`;
@@ -248,7 +271,8 @@ function Section(props: {
       aria-labelledby={headingId}
     >
       <h3 id={headingId} className="jp-gpusched-SectionTitle">
-        {props.title} <span className="jp-gpusched-Count">({props.count})</span>
+        {props.heading ?? props.title}{' '}
+        <span className="jp-gpusched-Count">({props.count})</span>
       </h3>
       {props.children}
     </section>
@@ -490,6 +514,7 @@ function LeaseItem(
   const memory = leaseMemory(status, lease);
   const timer = leaseTimer(lease, now);
   const outlook = idleOutlook(lease, now, status.queue.length > 0);
+  const overShare = overShareLabel(lease, now);
   const holding =
     lease.state === 'active' ||
     lease.state === 'idle' ||
@@ -504,6 +529,7 @@ function LeaseItem(
       data-kernel-id={lease.kernel_id ?? ''}
       data-state={lease.state}
       data-own={own ? 'true' : 'false'}
+      data-over-share={overShare ? 'true' : 'false'}
     >
       <div className="jp-gpusched-Lease-main">
         <span
@@ -532,6 +558,11 @@ function LeaseItem(
             {formatMemory(memory.used, memory.total)}
           </span>
         )}
+        {overShare && (
+          <span className="jp-gpusched-OverShareBadge" title={overShare}>
+            over share
+          </span>
+        )}
         {timer && (
           <span
             className="jp-gpusched-Lease-timer"
@@ -541,6 +572,11 @@ function LeaseItem(
           </span>
         )}
       </div>
+      {overShare && (
+        <div className="jp-gpusched-Lease-overShare" role="note">
+          {lease.reason || overShare}
+        </div>
+      )}
       {outlook && (
         <div
           className="jp-gpusched-Lease-forecast"
@@ -613,6 +649,7 @@ function QueueItem(
   const who = entry.holder || entry.user || (lease ? holderOf(lease) : '');
   const own = lease ? model.isOwn(lease) : false;
   const count = entry.count ?? lease?.count ?? null;
+  const reason = queueReason(entry, lease);
   const cancelKey = `release:${entry.lease_id}`;
 
   return (
@@ -652,6 +689,80 @@ function QueueItem(
           Cancel
         </button>
       )}
+      {reason && (
+        <div className="jp-gpusched-QueueReason" title={reason}>
+          {reason}
+        </div>
+      )}
     </li>
+  );
+}
+
+function UsageSection(props: { status: IStatus }): React.ReactElement | null {
+  const { status } = props;
+  if (!usageTracked(status)) {
+    return null;
+  }
+  const rows = usageRows(status);
+  const groups = status.group_usage ?? [];
+  return (
+    <Section
+      name="usage"
+      title="Usage"
+      heading={usageHeading(status)}
+      count={rows.length}
+    >
+      {rows.length === 0 ? (
+        <p className="jp-gpusched-Empty">No GPU use recently.</p>
+      ) : (
+        <table className="jp-gpusched-UsageTable" aria-label="Recent GPU usage">
+          <thead>
+            <tr>
+              <th scope="col">User</th>
+              <th scope="col" title="GPU-hours held recently, decayed">
+                GPU-h
+              </th>
+              <th scope="col" title="GPUs guaranteed">
+                Quota
+              </th>
+              <th scope="col" title="GPUs held now">
+                Now
+              </th>
+            </tr>
+          </thead>
+          <tbody>
+            {rows.map((row, index) => (
+              <tr
+                key={`${row.user}:${index}`}
+                className="jp-gpusched-UsageRow"
+                data-user={row.user}
+                data-own={row.own ? 'true' : 'false'}
+                data-over-quota={row.overQuota ? 'true' : 'false'}
+                title={row.title}
+              >
+                <th scope="row" className="jp-gpusched-UsageUser">
+                  {row.user}
+                  {row.own ? ' (you)' : ''}
+                </th>
+                <td>{row.gpuHours}</td>
+                <td>{row.quota}</td>
+                <td className="jp-gpusched-UsageHeld">{row.held}</td>
+              </tr>
+            ))}
+          </tbody>
+        </table>
+      )}
+      {groups.length > 0 && (
+        <p className="jp-gpusched-GroupUsage">
+          Groups:{' '}
+          {groups
+            .map(
+              group =>
+                `${group.group} ${formatGpuHours(group.gpu_hours)} GPU-h, holds ${formatAmount(group.held, 2)}`
+            )
+            .join(' · ')}
+        </p>
+      )}
+    </Section>
   );
 }

@@ -55,6 +55,12 @@ export function normalizeQueue(
     if (notebook !== undefined) {
       entry.notebook = notebook;
     }
+    if (payload.waiting_since !== undefined) {
+      entry.waiting_since = payload.waiting_since;
+    }
+    if (payload.reason) {
+      entry.reason = payload.reason;
+    }
     entries.push(entry);
   });
   return sortQueue(entries);

@@ -153,6 +153,8 @@ export interface IQueueEntry {
   count?: number;
   notebook?: string | null;
   waiting_since?: string | null;
+  /** Why the claim stands where it does in the fair queue, in words; empty where not shown. */
+  reason?: string;
 }
 
 /** A queue entry as it may come over the wire. */
@@ -166,6 +168,29 @@ export interface IQueueEntryPayload {
   count?: number;
   notebook?: string | null;
   waiting_since?: string | null;
+  /** Why the claim waits and stands where it does in the fair queue; empty where not shown. */
+  reason?: string;
+}
+
+/** One user's recent GPU usage (`Status.usage`). */
+export interface IUserUsage {
+  /** The user, or "another user" as for their leases. */
+  user: string;
+  /** GPU-hours held recently, decayed with `usage_half_life`. */
+  gpu_hours: number;
+  /** GPUs guaranteed to the user. */
+  quota: number;
+  /** GPUs' worth held now (a shared lease counts its share). */
+  held: number;
+}
+
+/** One group's recent GPU usage (`Status.group_usage`). */
+export interface IGroupUsage {
+  group: string;
+  /** GPU-hours its members held recently, decayed. */
+  gpu_hours: number;
+  /** GPUs' worth its members hold now. */
+  held: number;
 }
 
 /** Whether the host can suspend a kernel's GPU state instead of restarting it. */
@@ -188,6 +213,8 @@ export interface ISchedulerConfig {
   /** Longest keep the server accepts. */
   max_keep?: number;
   poll_interval?: number;
+  /** Half-life of the recent usage that orders the fair queue; 0: usage not tracked. */
+  usage_half_life?: number;
 }
 
 /** `GET /api/gpusched/status` as sent by the server. */
@@ -199,6 +226,10 @@ export interface IStatusPayload {
   devices: IDevice[];
   leases: ILease[];
   queue: Array<IQueueEntryPayload | string>;
+  /** Recent GPU usage per user, most first (empty when usage is not tracked). */
+  usage?: IUserUsage[];
+  /** Recent GPU usage per group, most first. */
+  group_usage?: IGroupUsage[];
   /** GPU processes outside every lease (empty unless the user is an admin). */
   unleased_processes?: IUnleasedProcess[];
   checkpoint?: ICheckpointInfo;

@@ -19,7 +19,17 @@ import {
   shortDeviceName,
   summarizeKernel,
   bindsLazily,
-  idleOutlook
+  idleOutlook,
+  checkpointMemoryFull,
+  checkpointMemoryLine,
+  formatAmount,
+  formatGpuHours,
+  formatHalfLife,
+  overShareLabel,
+  queueReason,
+  usageHeading,
+  usageRows,
+  usageTracked
 } from '../format';
 import type { ILease } from '../api';
 import { device, GiB, iso, lease, status, T0 } from './fixtures';
@@ -441,5 +451,147 @@ describe('idleOutlook', () => {
     expect(summary.description).toContain(
       'If this kernel stays idle, the kernel is restarted (variables lost) in 59m 00s'
     );
+  });
+});
+
+describe('recent usage', () => {
+  it('words the half-life as the server does', () => {
+    expect(formatHalfLife(86400)).toBe('1 day');
+    expect(formatHalfLife(3 * 86400)).toBe('3 days');
+    expect(formatHalfLife(43200)).toBe('12h 00m');
+    expect(formatHalfLife(1.5 * 86400)).toBe('1d 12h');
+    expect(formatHalfLife(undefined)).toBe('n/a');
+  });
+
+  it('shows amounts without trailing zeros and tiny usage as <0.1', () => {
+    expect(formatAmount(1)).toBe('1');
+    expect(formatAmount(0.5, 2)).toBe('0.5');
+    expect(formatAmount(1 / 3, 2)).toBe('0.33');
+    expect(formatAmount(0)).toBe('0');
+    expect(formatGpuHours(0.73)).toBe('0.7');
+    expect(formatGpuHours(41.25)).toBe('41.3');
+    expect(formatGpuHours(0.01)).toBe('<0.1');
+    expect(formatGpuHours(0)).toBe('0');
+  });
+
+  it('lists users in the server order, marks the viewer and who holds over quota', () => {
+    const s = status({
+      user: 'alice',
+      config: { usage_half_life: 86400 },
+      usage: [
+        { user: 'bob', gpu_hours: 2.345, quota: 1, held: 2 },
+        { user: 'alice', gpu_hours: 0.7, quota: 1, held: 0 },
+        { user: 'another user', gpu_hours: 0, quota: 0.5, held: 0.5 }
+      ]
+    });
+    expect(usageTracked(s)).toBe(true);
+    expect(usageHeading(s)).toBe('Recent usage (half-life 1 day)');
+    const rows = usageRows(s);
+    expect(rows.map(r => [r.user, r.gpuHours, r.quota, r.held, r.own])).toEqual(
+      [
+        ['bob', '2.3', '1', '2', false],
+        ['alice', '0.7', '1', '0', true],
+        ['another user', '0', '0.5', '0.5', false]
+      ]
+    );
+    expect(rows.map(r => r.overQuota)).toEqual([true, false, false]);
+    expect(rows[0].title).toBe(
+      'bob: 2.3 GPU-hours recently; 1 GPU guaranteed; 2 GPUs held now'
+    );
+    expect(rows[1].title).toBe(
+      'You: 0.7 GPU-hours recently; 1 GPU guaranteed; no GPU held now'
+    );
+  });
+
+  it('is not shown where the server does not track usage', () => {
+    expect(usageTracked(status())).toBe(false);
+    expect(
+      usageTracked(status({ usage: [], config: { usage_half_life: 0 } }))
+    ).toBe(false);
+    const untimed = status({ usage: [] });
+    expect(usageTracked(untimed)).toBe(true);
+    expect(usageHeading(untimed)).toBe('Recent usage');
+    expect(usageRows(untimed)).toEqual([]);
+  });
+});
+
+describe('queueReason', () => {
+  const reason =
+    'waiting for a GPU; 2nd in line: within quota; bob used 0.7 GPU-hours recently (half-life 1 day)';
+
+  it("takes the pending lease's reason, kept current by lease events", () => {
+    const entry = { lease_id: 'b', position: 2, reason: 'older words' };
+    expect(queueReason(entry, lease('b', { state: 'pending', reason }))).toBe(
+      reason
+    );
+  });
+
+  it("falls back to the entry's reason, and is empty where the server says nothing", () => {
+    expect(
+      queueReason(
+        { lease_id: 'b', position: 2, reason },
+        lease('b', { state: 'pending' })
+      )
+    ).toBe(reason);
+    expect(queueReason({ lease_id: 'b', position: 2, reason }, null)).toBe(
+      reason
+    );
+    expect(queueReason({ lease_id: 'b', position: 2, reason: '' }, null)).toBe(
+      ''
+    );
+    expect(queueReason({ lease_id: 'b', position: 2 }, undefined)).toBe('');
+  });
+});
+
+describe('checkpointMemoryLine', () => {
+  it('says what checkpoints hold of the budget', () => {
+    const checkpoint = {
+      available: true,
+      reason: '',
+      host_memory_budget: 64 * GiB,
+      host_memory_held: 12 * GiB
+    };
+    expect(checkpointMemoryLine(checkpoint)).toBe(
+      'Checkpoints hold 12.0 GiB of 64.0 GiB host memory'
+    );
+    expect(checkpointMemoryFull(checkpoint)).toBe(false);
+    expect(
+      checkpointMemoryFull({ ...checkpoint, host_memory_held: 64 * GiB })
+    ).toBe(true);
+  });
+
+  it('says when there is no limit, and nothing without checkpoints', () => {
+    expect(
+      checkpointMemoryLine({
+        available: true,
+        reason: '',
+        host_memory_budget: null,
+        host_memory_held: 0
+      })
+    ).toBe('Checkpoints hold 0 B host memory (no limit)');
+    expect(
+      checkpointMemoryLine({
+        available: false,
+        reason: 'no cuda-checkpoint',
+        host_memory_budget: 64 * GiB,
+        host_memory_held: 0
+      })
+    ).toBeNull();
+    expect(checkpointMemoryLine({ available: true, reason: '' })).toBeNull();
+    expect(checkpointMemoryLine(undefined)).toBeNull();
+  });
+});
+
+describe('overShareLabel', () => {
+  it('says how long a shared lease has been over its memory share', () => {
+    const over = lease('s', {
+      mode: 'shared',
+      over_share_since: iso(T0 - 125 * 1000)
+    });
+    expect(overShareLabel(over, T0)).toBe('over its memory share for 2m 05s');
+    expect(
+      overShareLabel(lease('s', { over_share_since: null }), T0)
+    ).toBeNull();
+    expect(overShareLabel(lease('s'), T0)).toBeNull();
   });
 });

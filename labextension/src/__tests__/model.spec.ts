@@ -1,7 +1,7 @@
 import { GPUSchedError, INotice, parseEvent } from '../api';
 import { socketRetryDelay } from '../model';
 import { harness, IHarness, sleep, waitFor } from './fakes';
-import { device, iso, lease, payload, T0 } from './fixtures';
+import { device, GiB, iso, lease, payload, T0 } from './fixtures';
 
 // ---------------------------------------------------------------------------------------------
 // Parsing
@@ -211,6 +211,56 @@ describe('GPUSchedModel', () => {
     const calls = h.client.calls.getStatus;
     await sleep(1300);
     expect(h.client.calls.getStatus).toBe(calls);
+  });
+
+  it('fetches the usage again once after lease events change who holds or waits', async () => {
+    h = harness({ usageRefreshMs: 30 });
+    h.model.start();
+    const socket = h.sockets[0];
+    socket.open();
+    socket.send({
+      type: 'snapshot',
+      ...payload({
+        leases: [lease('a')],
+        usage: [{ user: 'alice', gpu_hours: 0, quota: 1, held: 1 }]
+      })
+    });
+    expect(h.model.connection).toBe('live');
+
+    // An update that changes no state (a device, a lease's memory) fetches nothing.
+    socket.send({ type: 'lease', lease: { id: 'a', memory_held: GiB } });
+    await sleep(60);
+    expect(h.client.getStatus).not.toHaveBeenCalled();
+
+    h.client.status = payload({
+      leases: [lease('a'), lease('b', { user: 'bob', state: 'pending' })],
+      queue: [{ lease_id: 'b', position: 1, reason: 'waiting for a GPU' }],
+      usage: [
+        { user: 'alice', gpu_hours: 0.1, quota: 1, held: 1 },
+        { user: 'bob', gpu_hours: 0, quota: 1, held: 0 }
+      ]
+    });
+    socket.send({
+      type: 'lease',
+      lease: lease('b', { user: 'bob', state: 'pending', position: 1 })
+    });
+    socket.send({ type: 'lease', lease: { id: 'a', state: 'idle' } });
+    await waitFor(() => h.client.calls.getStatus > 0);
+    await sleep(60);
+    expect(h.client.calls.getStatus).toBe(1);
+    expect(h.model.connection).toBe('live');
+    expect(h.model.status?.usage?.map(u => u.user)).toEqual(['alice', 'bob']);
+    expect(h.model.status?.queue[0].reason).toBe('waiting for a GPU');
+  });
+
+  it('does not fetch again for a server that sends no usage', async () => {
+    h = harness({ usageRefreshMs: 10 });
+    h.model.start();
+    h.sockets[0].open();
+    h.sockets[0].send({ type: 'snapshot', ...payload() });
+    h.sockets[0].send({ type: 'lease', lease: lease('a') });
+    await sleep(40);
+    expect(h.client.getStatus).not.toHaveBeenCalled();
   });
 
   it('falls back to polling when the socket cannot even be created', async () => {

@@ -26,6 +26,26 @@ describe('normalizeQueue', () => {
     ]);
     expect(queue[1].user).toBe('bob');
   });
+
+  it("keeps each entry's reason and waiting time", () => {
+    const queue = normalizeQueue(
+      [
+        {
+          lease_id: 'b',
+          position: 1,
+          reason: 'waiting for a GPU; 1st in line: within quota',
+          waiting_since: '2024-05-01T10:00:00Z'
+        },
+        { lease_id: 'c', position: 2, reason: '' }
+      ],
+      []
+    );
+    expect(queue[0].reason).toBe(
+      'waiting for a GPU; 1st in line: within quota'
+    );
+    expect(queue[0].waiting_since).toBe('2024-05-01T10:00:00Z');
+    expect(queue[1].reason).toBeUndefined();
+  });
 });
 
 describe('normalizeStatus', () => {
