@@ -80,6 +80,8 @@ DISCOVERY_TIMEOUT = 5.0
 #: A Kubernetes node name (a DNS subdomain), or a host name.
 _NODE_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,251}[A-Za-z0-9])?$")
 _SUMMARY_COUNTS = ("gpus", "free", "reclaimable", "pending", "leases")
+#: Counts a broker of an earlier version does not report; checked where present.
+_NEWER_COUNTS = ("pending_gpus", "servers", "servers_without_lease")
 
 
 class DiscoveryError(RuntimeError):
@@ -319,8 +321,10 @@ def _checked_summary(data: Any) -> dict:
         raise ValueError("not a JSON object")
     if not isinstance(data.get("node"), str):
         raise ValueError("no node name")
-    for key in _SUMMARY_COUNTS:
+    for key in _SUMMARY_COUNTS + _NEWER_COUNTS:
         value = data.get(key)
+        if value is None and key in _NEWER_COUNTS:
+            continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{key} is not a count")
     return data
@@ -331,11 +335,15 @@ def choose_node(summaries: Mapping[str, dict | None], count: int = 1) -> str | N
     """The node that would serve a claim of ``count`` GPUs best, from the node brokers' summaries.
 
     Pure. Only nodes whose broker answered and that have at least ``count`` schedulable GPUs
-    (``gpus``) are candidates. The best is, in this order: one whose free GPUs can hold the
-    claim now; then one whose free and reclaimable GPUs can (idle or borrowed leases the reclaim
-    ladder can take back); then the most free GPUs; the most reclaimable GPUs; the fewest pending
-    claims; and the node name, for ties. None when no broker answered or no node has
-    ``count`` GPUs.
+    (``gpus``) are candidates. A node's *room* is its free and reclaimable GPUs (idle or borrowed
+    leases the reclaim ladder can take back) less what is already coming for them: the GPUs its
+    waiting claims ask for (``pending_gpus``), and one for each connected server that holds no
+    lease yet (``servers_without_lease``: kernels bind at their first cell, so a server that
+    just started holds nothing but will claim soon). The best is, in this order: a node whose room
+    holds the claim; then the fewest servers (as Kubernetes spreads pods that ask for the same);
+    the most room; the most free GPUs; and the node name, for ties. None when no broker answered
+    or no node has ``count`` GPUs. A broker too old to report ``pending_gpus`` counts one GPU per
+    waiting claim, and servers as none.
     """
     if count < 1:
         raise ValueError(f"count must be at least 1, not {count}")
@@ -343,10 +351,17 @@ def choose_node(summaries: Mapping[str, dict | None], count: int = 1) -> str | N
     for name, summary in summaries.items():
         if not summary:
             continue
-        gpus, free, reclaimable, pending = (int(summary.get(k) or 0) for k in ("gpus", "free", "reclaimable", "pending"))
+
+        def number(key: str, default: int = 0) -> int:
+            value = summary.get(key)
+            return default if value is None else int(value)
+
+        gpus, free, reclaimable = number("gpus"), number("free"), number("reclaimable")
         if gpus < count:
             continue
-        key = (free < count, free + reclaimable < count, -free, -reclaimable, pending, name)
+        coming = number("pending_gpus", number("pending")) + number("servers_without_lease")
+        room = free + reclaimable - coming
+        key = (room < count, number("servers"), -room, -free, name)
         if best is None or key < best:
             best = key
     return None if best is None else best[-1]
@@ -379,8 +394,9 @@ async def _best_broker(count: int, logger: logging.Logger, who: str) -> tuple[No
     broker = next(b for b in brokers if b.name == node)
     summary = summaries[node] or {}
     logger.info(
-        "GPU node for %s: %s (%s free, %s reclaimable, %s waiting, of %s GPU(s))",
+        "GPU node for %s: %s (%s free, %s reclaimable, %s waiting, of %s GPU(s); %s server(s), %s without a lease)",
         who, node, summary.get("free"), summary.get("reclaimable"), summary.get("pending"), summary.get("gpus"),
+        summary.get("servers"), summary.get("servers_without_lease"),
     )
     return broker, summary
 

@@ -44,8 +44,12 @@ SERVICE_TOKEN = "gpusched-service-token"
 BROKER_URL_ENV = "http://$(GPUSCHED_NODE_IP):8765/services/gpusched/"
 
 
-def summary(gpus=2, free=0, reclaimable=0, pending=0, leases=0):
-    return {"node": "n", "gpus": gpus, "free": free, "reclaimable": reclaimable, "pending": pending, "leases": leases}
+def summary(gpus=2, free=0, reclaimable=0, pending=0, leases=0, pending_gpus=None, servers=0, without=0):
+    return {
+        "node": "n", "gpus": gpus, "free": free, "reclaimable": reclaimable, "pending": pending,
+        "pending_gpus": pending if pending_gpus is None else pending_gpus, "leases": leases,
+        "servers": servers, "servers_without_lease": without,
+    }
 
 
 # -- choose_node -------------------------------------------------------------------------------
@@ -54,26 +58,45 @@ def test_no_node_is_chosen_when_no_broker_answered():
     assert choose_node({"a": None, "b": None}) is None
 
 
-def test_the_node_with_the_most_free_gpus_wins():
-    nodes = {"a": summary(free=1, reclaimable=3), "b": summary(free=2), "c": None}
-    assert choose_node(nodes) == "b"
-
-
-def test_then_the_most_reclaimable_then_the_fewest_pending_then_the_name():
-    assert choose_node({"a": summary(free=1, reclaimable=0), "b": summary(free=1, reclaimable=1)}) == "b"
-    assert choose_node({"a": summary(free=1, pending=2), "b": summary(free=1, pending=1)}) == "b"
+def test_the_node_with_the_most_room_wins():
+    # Room: free and reclaimable GPUs alike (the ladder takes idle borrowed leases back).
+    nodes = {"a": summary(gpus=4, free=1, reclaimable=3), "b": summary(gpus=4, free=2), "c": None}
+    assert choose_node(nodes) == "a"
+    # Among equal room, the most free GPUs, then the name.
+    assert choose_node({"a": summary(free=1, reclaimable=1), "b": summary(free=2)}) == "b"
     assert choose_node({"b": summary(free=1), "a": summary(free=1)}) == "a"
+
+
+def test_what_is_already_coming_for_a_node_is_not_room():
+    # b has two GPUs free, but a claim for two waits there already: a's one free GPU is better.
+    assert choose_node({"a": summary(free=1), "b": summary(free=2, pending=1, pending_gpus=2)}) == "a"
+    # b's two servers hold no lease yet: their kernels will claim at their first cell.
+    assert choose_node({"a": summary(free=1, servers=1), "b": summary(free=2, servers=2, without=2)}) == "a"
     # A full node where nothing can be taken back is still better than none, but worst.
     assert choose_node({"a": summary(free=0, pending=3), "b": summary(free=0, reclaimable=1)}) == "b"
+    assert choose_node({"a": summary(free=1, pending=2), "b": summary(free=1, pending=1)}) == "b"
+
+
+def test_among_nodes_with_room_the_fewest_servers_win():
+    # As Kubernetes spreads pods: a node with room and fewer servers before one with more room.
+    nodes = {"a": summary(gpus=8, free=6, servers=5), "b": summary(gpus=8, free=2, servers=1)}
+    assert choose_node(nodes) == "b"
+    # ... but only among nodes with room for the claim.
+    assert choose_node(nodes, count=4) == "a"
+
+
+def test_a_summary_of_an_older_broker_counts_a_gpu_per_waiting_claim_and_no_servers():
+    old = {"node": "n", "gpus": 2, "free": 2, "reclaimable": 0, "pending": 1, "leases": 0}
+    assert choose_node({"old": old, "new": summary(free=1, servers=3)}) == "old"
+    assert choose_node({"old": old}, count=2) == "old"  # room 1 < 2, yet the only node with 2 GPUs
 
 
 def test_a_claim_of_several_gpus_goes_where_it_fits():
-    # b has fewer free GPUs than a, but b can hold the claim now and a cannot.
     nodes = {"a": summary(gpus=8, free=1, reclaimable=0), "b": summary(gpus=2, free=2)}
-    assert choose_node(nodes, count=1) == "b"  # most free among those that fit: both fit, b has 2
-    nodes = {"a": summary(gpus=8, free=1, reclaimable=0), "b": summary(gpus=8, free=0, reclaimable=2)}
-    assert choose_node(nodes, count=1) == "a"
-    assert choose_node(nodes, count=2) == "b"  # only b can hold 2, once its idle leases are taken back
+    assert choose_node(nodes, count=1) == "b"  # most room among those that fit: b has 2
+    nodes = {"a": summary(gpus=8, free=3, reclaimable=0, servers=2), "b": summary(gpus=8, free=0, reclaimable=2)}
+    assert choose_node(nodes, count=1) == "b"  # both fit; b has fewer servers
+    assert choose_node(nodes, count=3) == "a"  # only a can hold 3
     # A node with fewer GPUs than the claim is never chosen.
     assert choose_node({"a": summary(gpus=2, free=2)}, count=4) is None
     with pytest.raises(ValueError, match="at least 1"):
@@ -350,6 +373,33 @@ def test_the_node_summary_is_for_admins_and_the_service(tmp_path):
             assert "/api/gpusched/node" not in openapi_document()["paths"]
         finally:
             await nodes.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_node_summary_counts_servers_without_a_lease_and_the_gpus_claims_wait_for(tmp_path):
+    """What the spawn hook counts as already coming for a node: connected servers whose kernels
+    hold no lease yet, and the GPUs of the claims waiting."""
+    setup = Setup(tmp_path, node_name="node-a", simulated_devices=2)
+
+    async def scenario():
+        app = await setup.start_broker()
+        try:
+            await setup.server("alice")  # started, no cell run yet: no lease
+            bob, bob_kernels = await setup.server("bob")
+            assert (await bob.claim(Principal("bob"), Claim(bob_kernels.ids[0]))).status == 201
+            await until(lambda: app.broker.node_summary("node-a")["servers"] == 2, 20, "both servers to connect")
+            brief = app.broker.node_summary("node-a")
+            jsonschema.validate(brief, NODE_SUMMARY)
+            assert (brief["servers"], brief["servers_without_lease"], brief["pending_gpus"]) == (2, 1, 0)
+            root, root_kernels = await setup.server("root")
+            waiting = await root.claim(Principal("root"), Claim(root_kernels.ids[0], count=2))
+            assert waiting.status == 202
+            await until(lambda: app.broker.node_summary("node-a")["pending_gpus"] == 2, 20, "the claim for 2 GPUs to queue")
+            brief = app.broker.node_summary("node-a")
+            assert (brief["servers"], brief["servers_without_lease"], brief["pending"]) == (3, 1, 1)
+        finally:
+            await setup.close()
 
     asyncio.run(scenario())
 

@@ -438,7 +438,13 @@ NODE_SUMMARY = {
             ),
         },
         "pending": {**_COUNT, "description": "claims waiting in the queue"},
+        "pending_gpus": {**_COUNT, "description": "GPUs the claims waiting in the queue ask for"},
         "leases": {**_COUNT, "description": "leases that hold GPUs"},
+        "servers": {**_COUNT, "description": "single-user servers connected to this broker"},
+        "servers_without_lease": {
+            **_COUNT,
+            "description": "connected servers none of whose kernels holds or waits for a lease yet (they bind at their first cell)",
+        },
         "devices": {
             "type": "array",
             "items": {

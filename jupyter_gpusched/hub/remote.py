@@ -564,6 +564,11 @@ class RemoteKernels:
             )
         return out
 
+    def connected_servers(self) -> list[frozenset[str]]:
+        """The kernel ids of each server that speaks to the broker now (one set per server)."""
+        now = self.clock()
+        return [frozenset(s.kernels) for s in self._servers.values() if self._connected(s, now)]
+
     @staticmethod
     def _pod(server: RemoteServer) -> str | None:
         """The pod (container) a server runs in: its host name, for a server in a PID namespace

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any
+from typing import Any, Iterable
 
 from ..api.events import latest, shape
 from ..api.views import Principal, iso
@@ -52,7 +52,7 @@ class Broker:
 
     def node_summary(self, node: str) -> dict:
         """This node's GPUs, leases and queue in brief (``GET api/gpusched/node``)."""
-        return node_summary(self.arbiter, node)
+        return node_summary(self.arbiter, node, self.kernels.connected_servers())
 
     async def kernel_ended(self, who: Principal, kernel_id: str, reason: str) -> None:
         """A server says one of its kernels ended: its leases are released now."""
@@ -149,7 +149,7 @@ class BrokerPolicy(HubPolicy):
         return status
 
 
-def node_summary(arbiter: LocalArbiter, node: str) -> dict:
+def node_summary(arbiter: LocalArbiter, node: str, servers: Iterable[frozenset[str]] = ()) -> dict:
     """The node's GPUs, leases and queue in brief, as the hub's spawn hook and the cluster view
     read them (``GET api/gpusched/node``; fields in the OpenAPI document).
 
@@ -158,6 +158,10 @@ def node_summary(arbiter: LocalArbiter, node: str) -> dict:
     takes when someone else waits (borrowed capacity, or the dynamic policy) or takes anyway,
     or a lease already being reclaimed. The same rules as the scheduler's, read through the idle
     forecast of :mod:`jupyter_gpusched.core.forecast`.
+
+    ``servers``: the kernel ids of each single-user server connected to this broker. A server
+    none of whose kernels holds or waits for a lease (kernels bind at their first cell) will
+    most likely claim soon: the spawn hook counts it against the node's room.
     """
     ctx = arbiter.view_context()
     live = [lease for lease in ctx.leases if lease.live]
@@ -178,6 +182,7 @@ def node_summary(arbiter: LocalArbiter, node: str) -> dict:
             }
         )
     by_id = {lease.id: lease for lease in live}
+    leased = {lease.kernel_id for lease in live}
     waiting = [by_id[lid] for lid in arbiter.state.queue if lid in by_id and by_id[lid].waiting]
     return {
         "node": node,
@@ -188,7 +193,10 @@ def node_summary(arbiter: LocalArbiter, node: str) -> dict:
         "free": sum(1 for state in states.values() if state == "free"),
         "reclaimable": sum(1 for state in states.values() if state == "reclaimable"),
         "pending": len(waiting),
+        "pending_gpus": sum(lease.count for lease in waiting),
         "leases": sum(1 for lease in live if lease.holding),
+        "servers": len(servers),
+        "servers_without_lease": sum(1 for kernels in servers if kernels.isdisjoint(leased)),
         "devices": devices,
         "queue": [
             {"position": n, "user": lease.user, "count": lease.count, "waiting_since": iso(lease.queued_at)}

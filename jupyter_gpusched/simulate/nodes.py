@@ -7,8 +7,9 @@ leases only ever use that node's GPUs. Two placement rules:
 
 * ``hook``: the spawn hook's rule (:func:`jupyter_gpusched.kubernetes.choose_node`, the very
   function the KubeSpawner hook calls) on every node broker's summary at that moment: a node whose
-  free GPUs can hold the session's claim, else one whose free and reclaimable GPUs can, then the
-  most free GPUs, the most reclaimable, the fewest waiting claims, the node's name.
+  room (free and reclaimable GPUs less what its waiting claims ask for and one per server without
+  a lease) holds the session's claim, then the fewest servers, the most room, the most free GPUs,
+  the node's name.
 * ``spread``: what Kubernetes does without the hook, for pods that request no GPUs (the brokers
   own the GPUs) and the same CPU and memory each: the least requested node, that is the one with
   the fewest servers running, ties taken in turn after the node chosen last.
@@ -43,23 +44,36 @@ def node_names(count: int) -> list[str]:
 
 
 def summary(
-    devices: Sequence[Device], leases: Iterable[Lease], now: float, cfg: SchedConfig, caps: Capabilities
+    devices: Sequence[Device],
+    leases: Iterable[Lease],
+    now: float,
+    cfg: SchedConfig,
+    caps: Capabilities,
+    servers: Iterable[str] = (),
 ) -> dict[str, int]:
     """The counts of a node broker's summary that the spawn hook reads (``GET api/gpusched/node``).
 
     The same rules as the broker's: a GPU is *free* when it can be scheduled and no lease holds
     it, *reclaimable* when every lease on it can be taken back for another user's claim (an idle
     lease the idle forecast says someone waiting takes, or a lease already being reclaimed);
-    ``pending`` counts the claims waiting.
+    ``pending`` counts the claims waiting and ``pending_gpus`` the GPUs they ask for; ``servers``
+    are the kernels of the sessions running on the node (one server each), and
+    ``servers_without_lease`` those of them without a live lease.
     """
     live = [lease for lease in leases if lease.live]
     states, _ = gpu_states(devices, live, now, cfg, caps)
+    waiting = [lease for lease in live if lease.state == LeaseState.PENDING]
+    leased = {lease.kernel_id for lease in live}
+    servers = list(servers)
     return {
         "gpus": sum(1 for state in states.values() if state != "unavailable"),
         "free": sum(1 for state in states.values() if state == "free"),
         "reclaimable": sum(1 for state in states.values() if state == "reclaimable"),
-        "pending": sum(1 for lease in live if lease.state == LeaseState.PENDING),
+        "pending": len(waiting),
+        "pending_gpus": sum(lease.count for lease in waiting),
         "leases": sum(1 for lease in live if lease.holding),
+        "servers": len(servers),
+        "servers_without_lease": sum(1 for kernel_id in servers if kernel_id not in leased),
     }
 
 

@@ -322,7 +322,7 @@ class _Node:
         self.devices = devices
         self.leases: dict[str, Lease] = {}
         self.wake_gen = 0
-        self.servers = 0  # sessions running on it now
+        self.servers: set[str] = set()  # the kernels (one server each) of the sessions running on it now
         self.checkpoint_bytes = 0  # host memory its checkpoints hold, as of its last pass
         self.sessions = 0  # sessions ever placed on it
         self.held = 0
@@ -636,7 +636,7 @@ class _Replay:
             return False  # a session without cells that stopped the instant it started
         node = self.place(kernel, now)
         kernel.node = node
-        node.servers += 1
+        node.servers.add(kernel.id)
         node.sessions += 1
         if self.lazy or self.policy == "oracle":
             return False  # nothing to claim before the first cell
@@ -653,13 +653,13 @@ class _Replay:
             # count what happened before the spawn at this instant.
             self.settle_changed(now)
             summaries = {
-                node.name: cluster.summary(node.devices, node.leases.values(), now, self.cfg, self.caps)
+                node.name: cluster.summary(node.devices, node.leases.values(), now, self.cfg, self.caps, node.servers)
                 for node in self.nodes
             }
             name = choose_node(summaries, kernel.session.gpus)
             chosen = self.by_name[name] if name is not None else None
         if chosen is None:
-            chosen = self.nodes[cluster.spread([node.servers for node in self.nodes], self.last_placed)]
+            chosen = self.nodes[cluster.spread([len(node.servers) for node in self.nodes], self.last_placed)]
         self.last_placed = chosen.index
         return chosen
 
@@ -670,7 +670,7 @@ class _Replay:
         kernel.stopped = True
         if kernel.node is not None:
             self.release(kernel, now)
-            kernel.node.servers -= 1
+            kernel.node.servers.discard(kernel.id)
         self.activity.pop(kernel.id, None)
 
     def on_cull(self, kernel: _Kernel, now: float, token: object) -> bool:
