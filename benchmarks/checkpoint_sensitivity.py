@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 from jupyter_gpusched.core import SchedConfig  # noqa: E402
 from jupyter_gpusched.simulate import ReplayOptions, find_capacity, load_trace, simulate  # noqa: E402
 from jupyter_gpusched.simulate.capacity import good_enough  # noqa: E402
+from jupyter_gpusched.simulate.report import seconds  # noqa: E402
 
 TRACE = "notebookos-adobe-2021-06-01-02.json"
 
@@ -43,14 +44,6 @@ def _numbers(text: str) -> list[float]:
 
 def _budgets(text: str) -> list[float | None]:
     return [None if x == "unlimited" else float(x) for x in text.split(",") if x]
-
-
-def _seconds(value: float) -> str:
-    if value < 100:
-        return f"{value:.1f} s"
-    if value < 3600:
-        return f"{value / 60:.1f} min"
-    return f"{value / 3600:.1f} h"
 
 
 def _budget_words(gb: float | None) -> str:
@@ -106,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         capacity = "none" if row["capacity"] is None else row["capacity"]
         print(
             f"| {row['bandwidth_gbps']:g} | {_budget_words(row['checkpoint_host_memory_gb'])} | {capacity} "
-            f"| {row['gpu_hours_held']:,.1f} ({row['vs_oracle']:.2f}x) | {_seconds(row['cell_delay_p95_s'])} "
-            f"| {_seconds(row['user_delay_p95_max_s'])} | {row['disruptions']} | {row['suspends']} "
+            f"| {row['gpu_hours_held']:,.1f} ({row['vs_oracle']:.2f}x) | {seconds(row['cell_delay_p95_s'], ' ')} "
+            f"| {seconds(row['user_delay_p95_max_s'], ' ')} | {row['disruptions']} | {row['suspends']} "
             f"| {row['peak_checkpoint_host_gb']:.1f} |"
         )
     return 0

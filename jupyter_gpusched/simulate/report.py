@@ -60,7 +60,7 @@ def _cell(name: str, value: object) -> str:
     if name == "efficiency":
         return f"{value:.1%}"
     if name.endswith("_s"):
-        return _seconds(float(value))  # type: ignore[arg-type]
+        return seconds(float(value))  # type: ignore[arg-type]
     if isinstance(value, float):
         return f"{value:,.1f}"
     return str(value)
@@ -73,12 +73,13 @@ def _span(ordered: list[str]) -> str:
     return ordered[0] if ordered[0] == ordered[-1] else f"{ordered[0]}-{ordered[-1]}"
 
 
-def _seconds(value: float) -> str:
+def seconds(value: float, sep: str = "") -> str:
+    """A delay for people: ``3.8s``, ``2.7m``, ``24.0h`` (``sep`` between number and unit)."""
     if value < 100:
-        return f"{value:.1f}s"
+        return f"{value:.1f}{sep}s"
     if value < 3600:
-        return f"{value / 60:.1f}m"
-    return f"{value / 3600:.1f}h"
+        return f"{value / 60:.1f}{sep}m"
+    return f"{value / 3600:.1f}{sep}h"
 
 
 def table(results: Mapping[str, Result], capacities: Mapping[str, int | None] | None = None) -> str:
