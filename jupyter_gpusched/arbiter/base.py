@@ -84,6 +84,11 @@ class KernelHost(Protocol):
     def alive(self, kernel_id: str) -> bool | None:
         """Whether the kernel still exists here (None: not a kernel of this host)."""
 
+    def executing(self, kernel_id: str) -> bool:
+        """Whether the kernel runs a cell at this moment, as far as this host knows without asking
+        anyone (the executor calls off a checkpoint that a cell has overtaken)."""
+        ...
+
     def restarting(self, kernel_id: str) -> bool:
         """Whether the kernel is being restarted on purpose (its lease stays)."""
 

@@ -6,6 +6,7 @@ human-readable reason come out. The server, the hub broker and the simulator run
 
 from .lifecycle import (
     admit,
+    called_off,
     device_lost,
     keep,
     new_claim,
@@ -56,6 +57,7 @@ __all__ = [
     "SchedulingError",
     "Step",
     "admit",
+    "called_off",
     "device_lost",
     "format_bytes",
     "format_duration",

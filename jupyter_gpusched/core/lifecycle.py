@@ -180,6 +180,23 @@ def step_failed(lease: Lease, step: Step, reason: str) -> Lease:
     return _step_over(lease, step, f"{step.value} failed: {reason}")
 
 
+def called_off(lease: Lease, now: float, reason: str) -> Lease:
+    """A reclaim not begun yet is called off because the kernel runs a cell again: the lease is
+    active and busy from ``now`` (the next pass looks at the kernel afresh)."""
+    if lease.state != LeaseState.RECLAIMING:
+        return lease
+    return replace(
+        lease,
+        state=LeaseState.ACTIVE,
+        busy=True,
+        last_active_at=now,
+        reclaim_at=None,
+        reclaim_step=None,
+        reason=reason,
+        version=lease.version + 1,
+    )
+
+
 def step_skipped(lease: Lease, step: Step, reason: str) -> Lease:
     """A step that was due could not be taken now (a checkpoint over ``checkpoint_host_memory``):
     the next pass tries the next one."""

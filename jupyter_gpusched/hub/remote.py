@@ -700,6 +700,12 @@ class RemoteKernels:
         # Silent for too long: only GPU processes left behind keep the lease.
         return bool(running & self.gpu_pids())
 
+    def executing(self, kernel_id: str) -> bool:
+        """Always False: a server's word that its kernel runs a cell is weighed against the
+        evidence in :meth:`activity` at each pass, and must not call off a reclaim on its own
+        (a server could keep a GPU that way forever)."""
+        return False
+
     def restarting(self, kernel_id: str) -> bool:
         """Being restarted: its server says so, or still lists it while its process is gone.
 

@@ -61,6 +61,11 @@ class ServerKernels:
             except Exception:  # noqa: BLE001 - the old process's stream is gone already
                 pass
 
+    def executing(self, kernel_id: str) -> bool:
+        """The kernel has published "busy" for a cell (IOPub) and not "idle" since."""
+        watch = self._watches.get(kernel_id)
+        return bool(watch is not None and watch.executing)
+
     def restarting(self, kernel_id: str) -> bool:
         return kernel_id in self._restarting
 
