@@ -132,8 +132,12 @@ def _leases(lab, kernels) -> dict[str, dict]:
 # -- two notebooks, two GPUs --------------------------------------------------------------------
 def test_each_notebook_gets_its_own_gpu_through_the_magic(lab, page, notebooks):
     def both() -> dict | None:
+        # A lease names its notebook from the server's sessions, which the scheduler reads again
+        # at each tick: a notebook renamed just before its first claim is named by the next tick.
         leases = _leases(lab, notebooks)
-        return leases if all(leases.values()) else None
+        if not all(leases.values()) or any(lease["notebook"] != name for name, lease in leases.items()):
+            return None
+        return leases
 
     leases = wait_for(both, 30, "both leases")
     assert {lease["state"] for lease in leases.values()} <= {"active", "idle"}
