@@ -252,3 +252,31 @@ async def test_a_checkpoint_left_behind_is_restored_at_the_next_pass(jp_fetch, a
     finally:
         proc.kill()
         proc.wait(10)
+
+
+@pytest.mark.parametrize(
+    ("setting", "said"),
+    [
+        ("--GPUSchedApp.usage_half_life=-1", "usage_half_life must be 0 (usage not tracked) or a finite number"),
+        ("--GPUSchedApp.checkpoint_host_memory=lots", "checkpoint_host_memory must be a number of bytes"),
+        ("--GPUSchedApp.policy=bogus", "policy must be one of"),
+    ],
+)
+def test_a_bad_setting_stops_the_server_instead_of_running_on_defaults(tmp_path, setting, said):
+    """The extension's other settings (here the simulated backend and the ledger) must not be
+    dropped for defaults while the server goes on: it does not start, and says why."""
+    import subprocess
+    import sys
+
+    ledger = tmp_path / "ledger.sqlite"
+    env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"), JUPYTER_CONFIG_DIR=str(tmp_path / "config"))
+    done = subprocess.run(
+        [sys.executable, "-m", "jupyter", "server", "--no-browser", "--allow-root", f"--port={_free_port()}",
+         "--GPUSchedApp.backend=simulated", f"--GPUSchedApp.ledger_path={ledger}", setting],
+        capture_output=True, text=True, timeout=120, env=env, stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode != 0
+    assert "GPU scheduler: bad configuration:" in done.stderr and said in done.stderr, done.stderr[-2000:]
+    assert "The server does not start." in done.stderr
+    assert not ledger.exists()
+    assert not (tmp_path / "runtime" / "gpusched.sqlite").exists()

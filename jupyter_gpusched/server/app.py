@@ -8,8 +8,9 @@ import logging
 import os
 
 from jupyter_server.extension.application import ExtensionApp
-from traitlets import Bool, Unicode, default
+from traitlets import Bool, TraitError, Unicode, default
 
+from ..core import SchedulingError
 from ..config import SCHEDULING_TRAITS, SchedulingConfig, one_of, open_inventory
 
 __all__ = ["GPUSchedApp", "SCHEDULING_TRAITS", "SchedulingConfig", "open_inventory"]
@@ -106,6 +107,19 @@ class GPUSchedApp(SchedulingConfig, ExtensionApp):
         if isinstance(level, str):
             level = logging.getLevelName(level.upper())
         return level if isinstance(level, int) else logging.NOTSET
+
+    def _link_jupyter_server_extension(self, serverapp) -> None:
+        """Read this extension's config; a setting it refuses stops the server.
+
+        jupyter_server logs an extension's failure to link and goes on with the extension's
+        defaults: a scheduler on other GPUs, another ledger or no broker. That must not happen.
+        """
+        try:
+            super()._link_jupyter_server_extension(serverapp)
+        except (TraitError, SchedulingError) as exc:
+            message = f"GPU scheduler: bad configuration: {exc}. The server does not start."
+            (serverapp.log if serverapp is not None else self.log).critical(message)
+            raise SystemExit(message) from None
 
     def initialize_settings(self) -> None:
         self._wire_logging()
