@@ -173,7 +173,7 @@ class ReclaimExecutor:
         if arbiter.kernels is not None and arbiter.kernels.executing(lease.kernel_id):
             # A cell began after the pass saw the kernel idle: its CUDA calls would meet a
             # checkpointed process. The kernel keeps its GPU; the next pass looks again.
-            why = "checkpoint called off: the kernel started a cell"
+            why = "checkpoint called off: the kernel is running a cell"
             log.info("lease %s of kernel %s: %s", lease.id, lease.kernel_id, why)
             await arbiter.update(lease, _if_still(Step.CHECKPOINT, lambda cur, now: core.called_off(cur, now, why)))
             return
