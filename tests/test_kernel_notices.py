@@ -290,6 +290,9 @@ def test_the_over_share_countdown_says_to_free_memory_not_to_keep():
     assert kinds(found) == [NoticeKind.RECLAIM_WARNING]
     assert "free GPU memory (delete large arrays or tensors) to keep it." in found[0].text
     assert "%gpu keep" not in found[0].text and "Then the kernel restarts" in found[0].text
+    # Said once, in words that fit a countdown (the reason's own notice length would contradict it).
+    assert found[0].text.startswith("GPU 0 will be taken back in 55 s: this kernel's processes hold more than the ")
+    assert "another kernel needs the room" in found[0].text and "so the kernel will be restarted" not in found[0].text
     # Called off, back within the share: the countdown's end says why, nothing more.
     back = shared_lease(over=False, reason="back within its memory share: the restart is off")
     found = notices(restart, back, NOW)

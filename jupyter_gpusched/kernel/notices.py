@@ -93,16 +93,20 @@ def countdown_text(lease: Mapping[str, Any], seconds_left: float) -> str:
         then = " Its GPU state will be checkpointed; the next cell restores it."
     else:
         then = ""
-    # Over its memory share, a keep does not help: freeing GPU memory does.
-    how = (
-        "free GPU memory (delete large arrays or tensors) to keep it"
-        if lease.get("over_share_since")
-        else "run `%gpu keep 30m` to keep it"
-    )
+    if lease.get("over_share_since"):
+        # Over its memory share, a keep does not help: freeing GPU memory does. The reason names
+        # the notice's length, which the countdown already says.
+        share = lease.get("memory")
+        claimed = f"the {render.format_bytes(share)} per GPU it claimed" if share else "the memory it claimed"
+        return (
+            f"{render.gpu_label(lease)} will be taken back in {seconds_left:.0f} s: this kernel's "
+            f"processes hold more than {claimed}, and another kernel needs the room; free GPU "
+            "memory (delete large arrays or tensors) to keep it." + then
+        )
     return (
         f"{render.gpu_label(lease)} will be taken back in {seconds_left:.0f} s"
         + (f" because {reason}" if reason else "")
-        + f"; {how}."
+        + "; run `%gpu keep 30m` to keep it."
         + then
     )
 
