@@ -539,6 +539,19 @@ def _read_int(path: str) -> int | None:
         return None
 
 
+def _stat(path: str, key: str) -> int:
+    """One counter of a cgroup's ``memory.stat`` (0 where it cannot be read)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
 def memory_room(pid: int, proc: str = "/proc", root: str | None = None) -> int | None:
     """Bytes that ``pid``'s memory cgroup (and every cgroup above it) lets it still take: the
     least of limit minus usage along the way up. None where no limit applies or none can be read
@@ -558,13 +571,13 @@ def memory_room(pid: int, proc: str = "/proc", root: str | None = None) -> int |
         hierarchy, _, rest = line.partition(":")
         controllers, _, path = rest.partition(":")
         if "memory" in controllers.split(","):
-            where = (f"{root}/memory", path, "memory.limit_in_bytes", "memory.usage_in_bytes")
+            where = (f"{root}/memory", path, "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
             break
         if hierarchy == "0" and controllers == "" and where is None:
-            where = (root, path, "memory.max", "memory.current")
+            where = (root, path, "memory.max", "memory.current", "inactive_file")
     if where is None:
         return None
-    base, path, limit_file, usage_file = where
+    base, path, limit_file, usage_file, cache_key = where
     parts = [p for p in path.split("/") if p and p not in (".", "..")]
     room = None
     for depth in range(len(parts), -1, -1):
@@ -572,7 +585,9 @@ def memory_room(pid: int, proc: str = "/proc", root: str | None = None) -> int |
         limit = _read_int(f"{folder}/{limit_file}")
         if limit is None or limit >= _V1_UNLIMITED:
             continue
-        usage = _read_int(f"{folder}/{usage_file}") or 0
-        left = max(limit - usage, 0)
+        # Usage counts the page cache, which the kernel gives back under pressure: what is in
+        # use is usage less the inactive file cache (the working set, as the kubelet counts it).
+        usage = (_read_int(f"{folder}/{usage_file}") or 0) - _stat(f"{folder}/memory.stat", cache_key)
+        left = max(limit - max(usage, 0), 0)
         room = left if room is None else min(room, left)
     return room

@@ -156,6 +156,9 @@ def test_memory_room_reads_cgroup_v1_and_v2_and_takes_the_tightest_ancestor(tmp_
         (v2 / folder / "memory.max").write_text(f"{limit}\n")
         (v2 / folder / "memory.current").write_text(f"{used}\n")
     assert procs.memory_room(7, proc=str(proc), root=str(v2)) == 2 * GiB
+    # The page cache the kernel can drop is not in use: 1 GiB of inactive file cache is room.
+    (v2 / "kubepods/pod1" / "memory.stat").write_text(f"anon {5 * GiB}\ninactive_file {GiB}\nactive_file 0\n")
+    assert procs.memory_room(7, proc=str(proc), root=str(v2)) == 3 * GiB
 
     (proc / "8").mkdir()
     (proc / "8" / "cgroup").write_text("4:memory:/lab/k\n3:cpu:/\n0::/\n")
@@ -165,6 +168,8 @@ def test_memory_room_reads_cgroup_v1_and_v2_and_takes_the_tightest_ancestor(tmp_
     (v1 / "memory" / "lab" / "k" / "memory.usage_in_bytes").write_text(f"{GiB}\n")
     (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # no limit
     assert procs.memory_room(8, proc=str(proc), root=str(v1)) == 3 * GiB
+    (v1 / "memory" / "lab" / "k" / "memory.stat").write_text(f"cache {GiB}\ntotal_inactive_file {GiB // 2}\n")
+    assert procs.memory_room(8, proc=str(proc), root=str(v1)) == 3 * GiB + GiB // 2
 
     (v1 / "memory" / "lab" / "k" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
     assert procs.memory_room(8, proc=str(proc), root=str(v1)) is None
