@@ -108,7 +108,7 @@ async def test_usage_survives_a_restart_and_orders_the_queue(tmp_path):
     # bob asked later but used nothing lately: he is first.
     assert [q["user"] for q in status["queue"]] == ["bob", "alice"]
     reasons = {q["user"]: q["reason"] for q in status["queue"]}
-    assert "1st in line: within quota; bob used 0.0 GPU-hours recently (half-life 1h00m)" in reasons["bob"]
+    assert "1st in line: within quota; bob used no GPU time recently (half-life 1h00m)" in reasons["bob"]
     assert "2nd in line: within quota; alice used 0.7 GPU-hours recently" in reasons["alice"]
     assert "ahead of it: 1 claim of a user who used less of their quota recently" in reasons["alice"]
     mine = next(le for le in status["leases"] if le["id"] == alice["id"])

@@ -169,3 +169,14 @@ def test_formatted_sizes_parse_back_to_the_same_size(size):
 @pytest.mark.parametrize("seconds", [42, 90, 3725 - 5, 7200])
 def test_formatted_durations_parse_back(seconds):
     assert math.isclose(parse_duration(format_duration(seconds)), seconds)
+
+
+@pytest.mark.parametrize(
+    ("gpu_seconds", "words"),
+    [(0.0, "no GPU time"), (20.0, "no GPU time"), (60.0, "1 GPU-minute"), (150.0, "2 GPU-minutes"),
+     (359.0, "6 GPU-minutes"), (360.0, "0.1 GPU-hours"), (41.2 * 3600, "41.2 GPU-hours")],
+)
+def test_recent_gpu_time_reads_in_minutes_where_hours_would_read_zero(gpu_seconds, words):
+    from jupyter_gpusched.core.units import format_gpu_time
+
+    assert format_gpu_time(gpu_seconds) == words

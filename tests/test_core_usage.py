@@ -254,7 +254,7 @@ def test_queue_reason_names_the_factor():
     by_id = {le.id: le for le in result.leases}
     assert [by_id[i].user for i in result.queue] == ["carol", "bob", "alice"]
     reasons = fairness.explain([by_id[i] for i in result.queue], result.keys, result.usage, NOW, cfg)
-    assert reasons["p-carol"] == "1st in line: within quota; carol used 0.0 GPU-hours recently (half-life 1 day)"
+    assert reasons["p-carol"] == "1st in line: within quota; carol used no GPU time recently (half-life 1 day)"
     assert reasons["p-alice"] == (
         "3rd in line: within quota; alice used 41.2 GPU-hours recently (half-life 1 day); "
         "ahead of it: 2 claims of users who used less of their quota recently"

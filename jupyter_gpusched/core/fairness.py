@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from .model import HOLDING, Device, Lease, SchedConfig
 from .placement import schedulable
-from .units import format_duration
+from .units import format_duration, format_gpu_time
 
 #: A claim that waited this many times ``backfill_wait`` is served like a claim within quota.
 AGING_FACTOR = 5
@@ -289,10 +289,8 @@ def explain(
             standing = "within quota"
         parts = [f"{_ordinal(i + 1)} in line: {standing}"]
         if tracked:
-            hours = recent.get(f"user:{lease.user}", 0.0) / 3600.0
-            parts.append(
-                f"{lease.user} used {hours:.1f} GPU-hours recently (half-life {half_life_text(cfg.usage_half_life)})"
-            )
+            used = format_gpu_time(recent.get(f"user:{lease.user}", 0.0))
+            parts.append(f"{lease.user} used {used} recently (half-life {half_life_text(cfg.usage_half_life)})")
         reasons: dict[str, int] = {}
         own = 0
         for other in queue[:i]:

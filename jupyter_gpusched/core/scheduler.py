@@ -27,7 +27,7 @@ from .model import (
     evolve,
 )
 from .placement import Occupancy, _load_key, fits, occupy, place, schedulable, vacate
-from .units import format_bytes, format_duration
+from .units import format_bytes, format_duration, format_gpu_time
 
 
 class _Limits:
@@ -517,7 +517,7 @@ class _Pass:
                     why = f"idle{share} while {claim.user} waits for a GPU"
                     if self.recent and vid in borrowed:
                         owner = holding[vid].user
-                        why += f" ({owner} used {usage.used(owner) / 3600.0:.1f} GPU-hours recently)"
+                        why += f" ({owner} used {format_gpu_time(usage.used(owner))} recently)"
                     chosen[vid] = why
                     vacate(planned, holding[vid], self.by_uuid)
             occupy(planned, evolve(claim, state=LeaseState.ACTIVE, devices=placed[0]), self.by_uuid)

@@ -144,3 +144,15 @@ def format_duration(seconds: float | None) -> str:
         return f"{minutes}m{secs:02d}s"
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h{minutes:02d}m"
+
+
+def format_gpu_time(gpu_seconds: float) -> str:
+    """Recent GPU use for people: ``41.2 GPU-hours``, ``5 GPU-minutes`` under a tenth of an hour
+    (where hours would read 0.0), ``no GPU time`` under half a minute."""
+    minutes = gpu_seconds / 60.0
+    if minutes < 0.5:
+        return "no GPU time"
+    if minutes < 6.0:
+        whole = round(minutes)
+        return f"{whole} GPU-minute" + ("" if whole == 1 else "s")
+    return f"{gpu_seconds / 3600.0:.1f} GPU-hours"
