@@ -160,19 +160,18 @@ def released(lease: Lease, now: float, reason: str) -> Lease:
     )
 
 
-def _step_over(lease: Lease, step: Step, reason: str) -> Lease:
-    """Back to idle with ``step`` marked tried, so that the next pass goes on down the ladder."""
+def _out_of_reclaim(lease: Lease, state: LeaseState, reason: str, **changes: object) -> Lease:
+    """A reclaiming lease back in ``state`` with no reclaim planned (any other lease unchanged)."""
     if lease.state != LeaseState.RECLAIMING:
         return lease
     return replace(
-        lease,
-        state=LeaseState.IDLE,
-        reclaim_at=None,
-        reclaim_step=None,
-        tried_steps=(*lease.tried_steps, step),
-        reason=reason,
-        version=lease.version + 1,
+        lease, state=state, reclaim_at=None, reclaim_step=None, reason=reason, version=lease.version + 1, **changes
     )
+
+
+def _step_over(lease: Lease, step: Step, reason: str) -> Lease:
+    """Back to idle with ``step`` marked tried, so that the next pass goes on down the ladder."""
+    return _out_of_reclaim(lease, LeaseState.IDLE, reason, tried_steps=(*lease.tried_steps, step))
 
 
 def step_failed(lease: Lease, step: Step, reason: str) -> Lease:
@@ -183,18 +182,7 @@ def step_failed(lease: Lease, step: Step, reason: str) -> Lease:
 def called_off(lease: Lease, now: float, reason: str) -> Lease:
     """A reclaim not begun yet is called off because the kernel runs a cell again: the lease is
     active and busy from ``now`` (the next pass looks at the kernel afresh)."""
-    if lease.state != LeaseState.RECLAIMING:
-        return lease
-    return replace(
-        lease,
-        state=LeaseState.ACTIVE,
-        busy=True,
-        last_active_at=now,
-        reclaim_at=None,
-        reclaim_step=None,
-        reason=reason,
-        version=lease.version + 1,
-    )
+    return _out_of_reclaim(lease, LeaseState.ACTIVE, reason, busy=True, last_active_at=now)
 
 
 def step_skipped(lease: Lease, step: Step, reason: str) -> Lease:
