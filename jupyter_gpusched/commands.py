@@ -209,7 +209,12 @@ def cmd_kernelspec_install(args: argparse.Namespace) -> int:
     config: dict[str, Any] = {"gpus": args.gpus, "bind": args.bind, "mode": args.mode}
     if args.memory:
         config["memory"] = args.memory
-    display = args.display_name or f"Python 3 ({args.gpus} GPU{'s' if args.gpus != 1 else ''}, {args.bind})"
+    what = f"{args.gpus} GPU{'s' if args.gpus != 1 else ''}"
+    if args.mode == "shared":
+        what += f", shared {args.memory}" if args.memory else ", shared"
+    elif args.memory:
+        what += f", {args.memory}"
+    display = args.display_name or f"Python 3 ({what}, {args.bind})"
     spec = {
         "argv": [args.python or sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
         "display_name": display,

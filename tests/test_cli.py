@@ -95,6 +95,13 @@ def test_kernelspec_install_writes_a_provisioned_spec(tmp_path):
     assert prov["provisioner_name"] == "gpusched-provisioner"
     assert prov["config"] == {"gpus": 2, "bind": "launch", "mode": "exclusive", "memory": "16GiB"}
     assert "ipykernel_launcher" in spec["argv"]
+    assert spec["display_name"] == "Python 3 (2 GPUs, 16GiB, launch)"
+    done = run_cli(
+        "kernelspec", "install", "--name", "py-shared", "--mode", "shared", "--memory", "16GiB", "--prefix", str(tmp_path)
+    )
+    assert done.returncode == 0, done.stderr
+    spec = json.loads((tmp_path / "share" / "jupyter" / "kernels" / "py-shared" / "kernel.json").read_text())
+    assert spec["display_name"] == "Python 3 (1 GPU, shared 16GiB, lazy)", "the launcher says what a kernel gets"
     done = run_cli("kernelspec", "install", "--name", "bad", "--memory", "lots", "--prefix", str(tmp_path))
     assert done.returncode == 1 and "memory" in done.stderr
 
