@@ -57,30 +57,3 @@ async def _executing(arbiter, kernel_id):
     arbiter.kernels.activity()  # the watch on the kernel's IOPub starts with the arbiter's first look
     return arbiter.kernels.executing(kernel_id)
 
-
-async def test_a_cell_that_began_before_the_server_watched_the_kernel_counts_as_running(
-    jp_fetch, gpu_kernelspec, start_kernel, jp_serverapp
-):
-    """A lazily bound kernel's first cell claims its GPU while it runs: a watch on the kernel that
-    begins during that cell must still see it running, until the kernel says it is idle."""
-    from jupyter_gpusched.server.kernels import ServerKernels
-
-    gpu_kernelspec("gpu")
-    k = await start_kernel("gpu")
-    cell = asyncio.ensure_future(k.execute("import time; time.sleep(3)", timeout=60))
-    km = jp_serverapp.kernel_manager
-    await _until(lambda: _busy(km, k.id), what="jupyter_server to see the kernel busy")
-    late = ServerKernels(km)  # a watch that begins now, mid-cell
-    assert late.activity()[k.id][0] is True
-    assert late.executing(k.id)
-    await cell
-    await _until(lambda: _not_executing(late, k.id), what="the end of the cell to be seen")
-    assert late.activity()[k.id][0] is False
-
-
-async def _busy(km, kernel_id):
-    return km.get_kernel(kernel_id).execution_state == "busy"
-
-
-async def _not_executing(kernels, kernel_id):
-    return not kernels.executing(kernel_id)

@@ -25,9 +25,6 @@ class _Watch:
         self.last_execute: float | None = None
         self.started: float | None = None
         self.stream: Any = None
-        #: Busy when the watch began, for a reason it did not see (a cell, or a comm message):
-        #: counted as executing until the kernel's next "idle", whatever that answers.
-        self.unsure = False
 
 
 class ServerKernels:
@@ -99,12 +96,6 @@ class ServerKernels:
             del self._watches[kernel_id]
             return _Watch()
         session = Session(config=kernel.session.config, key=kernel.session.key)
-        if getattr(kernel, "execution_state", None) == "busy":
-            # A cell may have begun before this watch did (a lazily bound kernel's first cell
-            # claims its GPU while it runs): jupyter_server's own state says busy, so it counts.
-            now = self.clock()
-            watch.executing, watch.unsure = True, True
-            watch.started = watch.last_execute = now
 
         def on_message(msg_list: list) -> None:
             try:
@@ -113,15 +104,11 @@ class ServerKernels:
                 if msg["header"]["msg_type"] != "status":
                     return
                 parent = (msg.get("parent_header") or {}).get("msg_type")
-                if parent != "execute_request" and not watch.unsure:
+                if parent != "execute_request":
                     return
                 msg = session.deserialize(fed)
                 state = msg["content"].get("execution_state")
                 now = self.clock()
-                if watch.unsure:
-                    if state != "idle":
-                        return
-                    watch.unsure = False
                 if state == "busy" and not watch.executing:
                     watch.started = now
                 watch.executing = state == "busy"
