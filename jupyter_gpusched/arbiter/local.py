@@ -17,7 +17,7 @@ import logging
 import time
 import uuid as uuidlib
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from .. import core
 from ..api.input import Claim
@@ -132,6 +132,9 @@ class LocalArbiter(LocalReads, Arbiter):
         self._kernel_gaps: dict[str, tuple[float, ...]] = {}
         self._kernel_owners: dict[str, OwnerId] = {}
         self._suspects: frozenset[str] = frozenset()
+        #: Leases written outside a planning pass (a reclaim step, a release) since the last plan
+        #: was applied: a plan read before such a write must not put the older record back.
+        self._written: dict[str, Lease] = {}
         self._unleased_seen: frozenset[int] = frozenset()
         #: Claims waiting for the next planning pass, and the task that writes them.
         self._claims: list[tuple[ClaimRequest, asyncio.Future]] = []
@@ -363,7 +366,9 @@ class LocalArbiter(LocalReads, Arbiter):
     async def _apply(self, planned: _Planned) -> None:
         """On the event loop: take the plan as the state, tell viewers, wake claims, reclaim."""
         plan, before, notices = planned.plan, planned.before, list(planned.notices)
-        self.state.leases = tuple(plan.leases)
+        written, self._written = self._written, {}
+        leases = _newest(plan.leases, written)
+        self.state.leases = leases
         self.state.queue = plan.queue
         self.state.drained = planned.drained
         self.state.usage = planned.usage
@@ -388,15 +393,16 @@ class LocalArbiter(LocalReads, Arbiter):
                 position = plan.queue.index(lease.id) + 1 if lease.id in plan.queue else None
                 notices.append(self._queued(lease, position))
         for lease_id in changed:
-            lease = plan.lease(lease_id)
+            lease = _later(plan.lease(lease_id), written)
             self.publish(ArbiterEvent("lease", lease=lease))
             if lease is not None and lease.state != LeaseState.PENDING:
                 self.wake(lease_id)
         for item in notices:
             self.publish(item if isinstance(item, ArbiterEvent) else ArbiterEvent("notice", notice=item))
-        self.reclaims.carry_out_due(plan.leases)
+        self.reclaims.carry_out_due(leases)
         if self.metrics is not None:
-            self.metrics.update(self.state.snapshot, plan.leases, plan.queue)
+            self.metrics.update(self.state.snapshot, leases, plan.queue)
+
 
     def _tell_decision(self, decision: Any, old: Lease | None, now: float, notices: list) -> None:
         lease = decision.lease
@@ -504,6 +510,7 @@ class LocalArbiter(LocalReads, Arbiter):
         new = await self._tx(self._write, lease.id, fn)
         self._remember(new)
         if new is not None:
+            self._written[new.id] = new
             self.state.leases = tuple(new if le.id == new.id else le for le in self.state.leases if new.live or le.id != new.id)
             self.publish(ArbiterEvent("lease", lease=new))
             self.wake(new.id)
@@ -718,3 +725,21 @@ class LocalArbiter(LocalReads, Arbiter):
             done = await self.update(lease, lambda cur, now: core.released(cur, now, f"released: {reason}"))
             if done is not None:
                 log.info("lease %s of kernel %s released: %s", lease.id, kernel_id, reason)
+
+
+def _later(lease: Lease | None, written: Mapping[str, Lease]) -> Lease | None:
+    """``lease`` as written since (versions only grow), or as it is where nothing was."""
+    later = written.get(lease.id) if lease is not None else None
+    return later if later is not None and later.version > lease.version else lease
+
+
+def _newest(planned: Sequence[Lease], written: Mapping[str, Lease]) -> tuple[Lease, ...]:
+    """A plan's leases, each as written since its transaction where it was: a reclaim step that
+    suspended or released a lease while the pass ran in its thread stays done (and a checkpoint
+    just taken is not mistaken for an orphan and restored)."""
+    out = []
+    for lease in planned:
+        later = _later(lease, written)
+        if later is lease or later.live:
+            out.append(later)
+    return tuple(out)
