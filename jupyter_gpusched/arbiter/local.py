@@ -403,7 +403,6 @@ class LocalArbiter(LocalReads, Arbiter):
         if self.metrics is not None:
             self.metrics.update(self.state.snapshot, leases, plan.queue)
 
-
     def _tell_decision(self, decision: Any, old: Lease | None, now: float, notices: list) -> None:
         lease = decision.lease
         if decision.kind == "grant":
