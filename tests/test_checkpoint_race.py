@@ -57,3 +57,73 @@ async def _executing(arbiter, kernel_id):
     arbiter.kernels.activity()  # the watch on the kernel's IOPub starts with the arbiter's first look
     return arbiter.kernels.executing(kernel_id)
 
+
+
+async def test_a_cell_that_asks_for_a_gpu_before_the_server_watched_the_kernel_counts_as_running(
+    gpu_kernelspec, start_kernel, jp_serverapp
+):
+    """A lazily bound kernel's first cell claims its GPU while it runs: a watch on the kernel
+    that begins during that cell must still see it running, until the kernel is idle again."""
+    from jupyter_gpusched.server.kernels import ServerKernels
+
+    gpu_kernelspec("gpu")
+    k = await start_kernel("gpu")
+    cell = asyncio.ensure_future(k.execute("import time; time.sleep(3)", timeout=60))
+    km = jp_serverapp.kernel_manager
+    await _until(lambda: _busy(km, k.id), what="jupyter_server to see the kernel busy")
+    late = ServerKernels(km)  # a watch that begins now, mid-cell
+    assert late.activity()[k.id][0] is False, "a watch that began mid-cell did not see the cell begin"
+    late.asking(k.id)  # what the kernel's claim tells the host
+    assert late.executing(k.id)
+    assert late.activity()[k.id][0] is True
+    await cell
+    await _until(lambda: _not_executing(late, k.id), what="the end of the cell to be seen")
+    executing, last, started = late.activity()[k.id]
+    assert executing is False and last is not None and started is not None and last >= started
+
+
+async def test_an_idle_kernel_that_asks_is_not_counted_as_running(gpu_kernelspec, start_kernel, jp_serverapp):
+    from jupyter_gpusched.server.kernels import ServerKernels
+
+    gpu_kernelspec("gpu")
+    k = await start_kernel("gpu")
+    km = jp_serverapp.kernel_manager
+    await _until(lambda: _idle(km, k.id), what="the kernel to be idle")
+    late = ServerKernels(km)
+    late.asking(k.id)
+    assert not late.executing(k.id)
+    assert late.activity()[k.id] == (False, None, None)
+
+
+async def test_a_lazily_bound_kernels_first_cell_is_running_while_it_holds_its_new_gpu(
+    jp_fetch, gpu_kernelspec, start_kernel, arbiter
+):
+    gpu_kernelspec("gpu")
+    k = await start_kernel("gpu")
+    cell = asyncio.ensure_future(
+        k.execute("from jupyter_gpusched.devices import simulated; simulated.allocate('1GiB'); import time; time.sleep(4)", timeout=60)
+    )
+    await _until(lambda: _has_lease(jp_fetch, k.id), what="the first cell to claim a GPU")
+    assert arbiter.kernels.executing(k.id), "the first cell runs"
+    lease = await _lease_of(jp_fetch, k.id)
+    assert lease["state"] == "active", lease
+    out = await cell
+    assert out["error"] is None, out
+    await _until(lambda: _not_executing(arbiter.kernels, k.id), what="the end of the first cell to be seen")
+
+
+async def _busy(km, kernel_id):
+    return km.get_kernel(kernel_id).execution_state == "busy"
+
+
+async def _idle(km, kernel_id):
+    return km.get_kernel(kernel_id).execution_state == "idle"
+
+
+async def _not_executing(kernels, kernel_id):
+    return not kernels.executing(kernel_id)
+
+
+async def _has_lease(jp_fetch, kernel_id):
+    code, leases = await api(jp_fetch, "leases", params={"kernel_id": kernel_id})
+    return code == 200 and any(le["state"] == "active" for le in leases)

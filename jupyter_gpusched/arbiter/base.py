@@ -89,6 +89,10 @@ class KernelHost(Protocol):
         anyone (the executor calls off a checkpoint that a cell has overtaken)."""
         ...
 
+    def asking(self, kernel_id: str) -> None:
+        """The kernel itself asks for a GPU (its token, from its own code): it runs a cell or a
+        comm's handler now, even where the host did not see that begin."""
+
     def restarting(self, kernel_id: str) -> bool:
         """Whether the kernel is being restarted on purpose (its lease stays)."""
 

@@ -570,6 +570,8 @@ class LocalArbiter(LocalReads, Arbiter):
         kernel_id = ask.kernel_id
         if self.kernels is not None and not self.kernels.alive(kernel_id):
             raise NotFound(f"no running kernel {kernel_id!r} on this server")
+        if self.kernels is not None and who.kernel_id == kernel_id:
+            self.kernels.asking(kernel_id)
         pid = self.kernels.kernel_pid(kernel_id) if self.kernels is not None else None
         request = ClaimRequest(who, ask, owner_pid=pid, owner=self._owner_of(kernel_id, pid), gaps=self._kernel_gaps.get(kernel_id, ()))
         answer: asyncio.Future = asyncio.get_running_loop().create_future()

@@ -411,6 +411,8 @@ class BrokerClient(Arbiter):
             raise Forbidden("a kernel's token can only ask for that kernel's own lease")
         if not self.kernels.alive(ask.kernel_id):
             raise NotFound(f"no running kernel {ask.kernel_id!r} on this server")
+        if who.kernel_id is not None:
+            self.kernels.asking(ask.kernel_id)
         body: dict[str, Any] = {"kernel_id": ask.kernel_id, "priority": ask.priority, "wait": ask.wait}
         for name, value in (("count", ask.count), ("memory", ask.memory), ("mode", ask.mode)):
             if value is not None:

@@ -706,6 +706,9 @@ class RemoteKernels:
         (a server could keep a GPU that way forever)."""
         return False
 
+    def asking(self, kernel_id: str) -> None:
+        """Nothing: a kernel asks through its own server, whose heartbeats say whether it runs."""
+
     def restarting(self, kernel_id: str) -> bool:
         """Being restarted: its server says so, or still lists it while its process is gone.
 

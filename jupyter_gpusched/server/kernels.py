@@ -25,6 +25,9 @@ class _Watch:
         self.last_execute: float | None = None
         self.started: float | None = None
         self.stream: Any = None
+        #: Counted as running from jupyter_server's word, not from a busy this watch saw: until
+        #: the kernel's next "idle" (whatever its parent) or jupyter_server's state says idle.
+        self.unsure = False
 
 
 class ServerKernels:
@@ -64,7 +67,37 @@ class ServerKernels:
     def executing(self, kernel_id: str) -> bool:
         """The kernel has published "busy" for a cell (IOPub) and not "idle" since."""
         watch = self._watches.get(kernel_id)
+        if watch is not None and watch.unsure:
+            self._settle(kernel_id, watch)
         return bool(watch is not None and watch.executing)
+
+    def asking(self, kernel_id: str) -> None:
+        """The kernel asks for a GPU from its own code, so it runs a cell now (a lazily bound
+        kernel's first cell claims its GPU while it runs) or a comm's handler.
+
+        A watch that began after that cell did never saw its "busy": where jupyter_server (which
+        watches every kernel from its start) says the kernel is busy and the watch does not, the
+        kernel counts as running until it is idle again.
+        """
+        watch = self._watch(kernel_id)
+        if watch.executing or watch.stream is None or self._server_state(kernel_id) != "busy":
+            return
+        now = self.clock()
+        watch.executing, watch.unsure = True, True
+        watch.started = watch.last_execute = now
+
+    def _server_state(self, kernel_id: str) -> str | None:
+        try:
+            return getattr(self.km.get_kernel(kernel_id), "execution_state", None)
+        except Exception:  # noqa: BLE001 - jupyter_server raises HTTPError(404) for unknown ids
+            return None
+
+    def _settle(self, kernel_id: str, watch: _Watch) -> None:
+        """An unsure watch follows jupyter_server's state: its IOPub stream, connected mid-cell,
+        may have missed the cell's end."""
+        if self._server_state(kernel_id) != "busy":
+            watch.executing = watch.unsure = False
+            watch.last_execute = self.clock()
 
     def restarting(self, kernel_id: str) -> bool:
         return kernel_id in self._restarting
@@ -104,11 +137,15 @@ class ServerKernels:
                 if msg["header"]["msg_type"] != "status":
                     return
                 parent = (msg.get("parent_header") or {}).get("msg_type")
-                if parent != "execute_request":
+                if parent != "execute_request" and not watch.unsure:
                     return
                 msg = session.deserialize(fed)
                 state = msg["content"].get("execution_state")
                 now = self.clock()
+                if watch.unsure:
+                    if state != "idle":
+                        return
+                    watch.unsure = False
                 if state == "busy" and not watch.executing:
                     watch.started = now
                 watch.executing = state == "busy"
@@ -125,6 +162,8 @@ class ServerKernels:
         out = {}
         for kernel_id in list(self.km.list_kernel_ids()):
             watch = self._watch(kernel_id)
+            if watch.unsure:
+                self._settle(kernel_id, watch)
             out[kernel_id] = (watch.executing, watch.last_execute, watch.started)
         return out
 
