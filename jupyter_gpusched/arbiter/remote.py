@@ -4,7 +4,9 @@ The server's REST API, magics, widgets, lab extension and provisioner talk to th
 as they talk to a ``LocalArbiter``; it forwards each call to the hub's GPU broker, authenticated
 with the server's own ``JUPYTERHUB_API_TOKEN`` (so the broker knows the user, their groups and
 whether they are a hub admin), and a kernel's token narrows a call to that kernel's lease
-(``X-GPUSched-Kernel``). The server keeps one websocket open to the broker: it sends a heartbeat
+(``X-GPUSched-Kernel``). The token goes only to a broker whose address nobody else can hold
+(:mod:`jupyter_gpusched.transport`): its Unix socket, checked before each connection, or HTTPS
+with a verified certificate. The server keeps one websocket open to the broker: it sends a heartbeat
 every few seconds (its kernels, whether each executes, their process ids, as this server sees them
 in its PID namespace, which it names when it connects), receives events shaped
 for its user, and carries out the restarts and shutdowns the broker orders on its kernels. If the
@@ -18,6 +20,7 @@ import json
 import logging
 import os
 import socket
+import ssl
 import time
 import urllib.parse
 from typing import Any
@@ -25,7 +28,7 @@ from typing import Any
 from tornado import httputil, websocket
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 
-from .. import procs
+from .. import procs, transport
 from ..api.routes import HOST_HEADER, KERNEL_HEADER, PID_HEADER, PIDNS_HEADER, SERVER_HEADER
 from ..api.input import Claim
 from ..api.views import Principal, ViewContext, device_json, lease_json
@@ -46,6 +49,13 @@ _ERRORS = {400: BadRequest, 403: Forbidden, 404: NotFound, 409: Conflict, 503: N
 
 class BrokerUnavailable(ArbiterError):
     status, reason = 503, "Service Unavailable"
+
+
+def _unverified(address: transport.BrokerAddress, why: str) -> str:
+    return (
+        f"the hub's GPU broker at {address.where()} cannot be verified, so this server sends it nothing "
+        f"(no token, no request): {why}. Ask the hub admin to look at the broker's address"
+    )
 
 
 def _error(status: int, message: str) -> ArbiterError:
@@ -86,11 +96,14 @@ class BrokerClient(Arbiter):
         log: logging.Logger | logging.LoggerAdapter | None = None,
         token: str | None = None,
         heartbeat_interval: float = 5.0,
+        ca_file: str | None = None,
     ) -> None:
         super().__init__()
-        if not url:
-            raise ValueError("the broker URL is empty")
-        self.url = url if url.endswith("/") else url + "/"
+        self.address = transport.parse_broker_url(url)
+        self.url = self.address.base
+        self.ca_file = ca_file or None
+        #: Why the broker's address cannot be trusted just now (None: it can, or it is not known yet).
+        self.untrusted: str | None = None
         self.kernels = kernels
         self.server_id: str = kernels.server_id
         self.user = user
@@ -109,10 +122,55 @@ class BrokerClient(Arbiter):
         self._stopping = False
 
     def __repr__(self) -> str:
-        return f"BrokerClient({self.url!r}, user={self.user!r})"
+        return f"BrokerClient({self.address.url!r}, user={self.user!r})"
+
+    # -- where the broker is, and whether it is the broker ---------------------------------------
+    def _check_address(self) -> None:
+        """Refuse to send anything to a Unix socket that another user could have made."""
+        if self.address.socket_path is None:
+            return
+        try:
+            transport.check_socket(self.address.socket_path)
+        except transport.UntrustedBroker as exc:
+            why = str(exc)
+            if why != self.untrusted:
+                self.untrusted = why
+                log = self.log.info if "the broker is not running" in why else self.log.error
+                log("GPU scheduler: %s", _unverified(self.address, why))
+            raise BrokerUnavailable(_unverified(self.address, why)) from None
+        self.untrusted = None
+
+    def _connect_options(self) -> dict[str, Any]:
+        """What tornado's clients need to reach the broker: its socket, or TLS that checks its certificate."""
+        if self.address.socket_path is not None:
+            return {"resolver": transport.UnixResolver(path=self.address.socket_path)}
+        return {}
+
+    def _request_options(self) -> dict[str, Any]:
+        if self.address.tls:
+            return {"ssl_options": transport.client_ssl_context(self.ca_file)}
+        return {}
+
+    def _certificate_failure(self, exc: BaseException) -> str | None:
+        """The reason a TLS connection failed on the broker's certificate, or None."""
+        err: BaseException | None = exc
+        while err is not None:
+            if isinstance(err, ssl.SSLCertVerificationError):
+                return f"its certificate was not accepted ({err.verify_message or err.reason})"
+            if isinstance(err, ssl.SSLError):
+                return f"the TLS handshake failed ({err.reason or err})"
+            err = err.__cause__ or err.__context__
+        return None
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
+        if self.address.loopback_http:
+            self.log.warning(
+                "GPU scheduler: the GPU broker's URL %s is plain HTTP on this host: while the broker is down any "
+                "local user may listen there and collect this server's token. Use the broker's Unix socket "
+                "(http+unix://...) or https:// with a CA file",
+                self.address.url,
+            )
         self._connected = asyncio.Event()
         self._beat = asyncio.Event()
         self._task = asyncio.create_task(self._connection_loop())
@@ -121,7 +179,7 @@ class BrokerClient(Arbiter):
         except asyncio.TimeoutError:
             self.log.warning(
                 "GPU scheduler: the hub's GPU broker at %s does not answer yet; this server keeps trying",
-                self.url,
+                self.address.where(),
             )
 
     async def stop(self) -> None:
@@ -166,19 +224,36 @@ class BrokerClient(Arbiter):
         return headers
 
     async def _connection_loop(self) -> None:
-        scheme = "wss" if self.url.startswith("https") else "ws"
-        ws_url = scheme + ":" + self.url.split(":", 1)[1] + "api/gpusched/servers/connect"
+        ws_url = self.address.websocket_url("api/gpusched/servers/connect")
         backoff = 0.5
         failures = 0
         while not self._stopping:
-            request = HTTPRequest(ws_url, headers=self._headers(), connect_timeout=10, request_timeout=10)
             try:
-                ws = await websocket.websocket_connect(request, ping_interval=20, max_message_size=16 * 1024 * 1024)
+                self._check_address()
+                request = HTTPRequest(
+                    ws_url, headers=self._headers(), connect_timeout=10, request_timeout=10, **self._request_options()
+                )
+                ws = await websocket.websocket_connect(
+                    request, ping_interval=20, max_message_size=16 * 1024 * 1024, **self._connect_options()
+                )
             except asyncio.CancelledError:
                 raise
+            except BrokerUnavailable:
+                failures += 1  # _check_address said why, once
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF)
+                continue
             except Exception as exc:  # noqa: BLE001 - any failure: wait and try again
                 failures += 1
                 level = logging.WARNING if failures in (1, 10) or failures % 100 == 0 else logging.DEBUG
+                certificate = self._certificate_failure(exc)
+                if certificate is not None:
+                    if certificate != self.untrusted:
+                        self.untrusted = certificate
+                        self.log.error("GPU scheduler: %s", _unverified(self.address, certificate))
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, MAX_BACKOFF)
+                    continue
                 if isinstance(exc, HTTPClientError) and exc.code == 403:
                     level = logging.ERROR if failures == 1 else level
                     why = (
@@ -188,13 +263,14 @@ class BrokerClient(Arbiter):
                     )
                 else:
                     why = str(exc)
-                self.log.log(level, "GPU scheduler: cannot reach the GPU broker at %s: %s", self.url, why)
+                self.log.log(level, "GPU scheduler: cannot reach the GPU broker at %s: %s", self.address.where(), why)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF)
                 continue
             if failures:
-                self.log.info("GPU scheduler: connected to the GPU broker at %s", self.url)
+                self.log.info("GPU scheduler: connected to the GPU broker at %s", self.address.where())
             backoff, failures = 0.5, 0
+            self.untrusted = None
             self._ws = ws
             beats = asyncio.create_task(self._heartbeats(ws))
             try:
@@ -345,8 +421,9 @@ class BrokerClient(Arbiter):
         timeout: float = REQUEST_TIMEOUT,
     ) -> tuple[int, Any]:
         """One REST call to the broker; raises the matching :class:`ArbiterError` on an error."""
+        self._check_address()
         if self._http is None:
-            self._http = AsyncHTTPClient(force_instance=True, max_clients=64)
+            self._http = AsyncHTTPClient(force_instance=True, max_clients=64, **self._connect_options())
         url = self.url + "api/gpusched/" + path
         if query:
             query = {k: v for k, v in query.items() if v is not None}
@@ -367,15 +444,22 @@ class BrokerClient(Arbiter):
             connect_timeout=10,
             request_timeout=timeout,
             allow_nonstandard_methods=True,
+            **self._request_options(),
         )
         try:
             response = await self._http.fetch(request, raise_error=False)
         except Exception as exc:  # noqa: BLE001 - a broker that is down is a 503 for the caller
+            certificate = self._certificate_failure(exc)
+            if certificate is not None:
+                raise BrokerUnavailable(_unverified(self.address, certificate)) from None
             raise BrokerUnavailable(
                 f"the hub's GPU broker is not reachable ({exc}); try again in a moment, or ask the "
                 "hub admin whether the gpusched service runs"
             ) from None
         if response.code == 599:
+            certificate = self._certificate_failure(response.error) if response.error else None
+            if certificate is not None:
+                raise BrokerUnavailable(_unverified(self.address, certificate))
             raise BrokerUnavailable(
                 f"the hub's GPU broker is not reachable ({response.error}); try again in a moment, or ask "
                 "the hub admin whether the gpusched service runs"

@@ -34,15 +34,18 @@ import logging
 import os
 import signal
 import socket
+import ssl
+import stat
 import sys
 from urllib.parse import urlparse
 
 from tornado import web
 from tornado.httpserver import HTTPServer
+from tornado.netutil import bind_unix_socket
 from traitlets import Bool, Float, Int, TraitError, Unicode, default, validate
 from traitlets.config import Application
 
-from .. import kubernetes
+from .. import kubernetes, transport
 from .._version import __version__
 from ..arbiter.build import build_local_arbiter
 from ..config import SchedulingConfig
@@ -81,6 +84,26 @@ class GPUBroker(SchedulingConfig, Application):
     url = Unicode(
         help=f"""Where the broker listens; default JUPYTERHUB_SERVICE_URL, which the hub sets
         from the service's "url", else {DEFAULT_URL}.""",
+    ).tag(config=True)
+
+    unix_socket = Unicode(
+        "",
+        help="""A Unix domain socket the broker also listens on, for the single-user servers of this
+        host (their JUPYTER_GPUSCHED_BROKER_URL is then http+unix://<this path, %-encoded><prefix>).
+        Its directory must belong to the broker's user and be writable by nobody else (made, mode
+        0755, when missing), so that no other user can create the socket while the broker is down
+        and collect the servers' tokens; the socket itself is mode 0666 so that every user's server
+        can connect. Empty: no socket (servers use url, which any local user can take over while
+        it is free).""",
+    ).tag(config=True)
+
+    ssl_certfile = Unicode(
+        help="""Certificate (PEM) for an https:// url. Default: JUPYTERHUB_SSL_CERTFILE (the
+        hub sets it for its services when internal_ssl is on).""",
+    ).tag(config=True)
+
+    ssl_keyfile = Unicode(
+        help="""Private key (PEM) for an https:// url. Default: JUPYTERHUB_SSL_KEYFILE.""",
     ).tag(config=True)
 
     prefix = Unicode(
@@ -177,7 +200,10 @@ class GPUBroker(SchedulingConfig, Application):
     arbiter = None
     broker = None
     http_server = None
+    unix_server = None
     _upkeep = None
+    _tcp_retry = None
+    _unix_path = ""
 
     @default("broker_id")
     def _broker_id_default(self) -> str:
@@ -223,6 +249,23 @@ class GPUBroker(SchedulingConfig, Application):
     @default("log_level")
     def _log_level_default(self) -> int:
         return logging.INFO
+
+    @default("ssl_certfile")
+    def _ssl_certfile_default(self) -> str:
+        return os.environ.get("JUPYTERHUB_SSL_CERTFILE", "")
+
+    @default("ssl_keyfile")
+    def _ssl_keyfile_default(self) -> str:
+        return os.environ.get("JUPYTERHUB_SSL_KEYFILE", "")
+
+    @validate("unix_socket")
+    def _valid_unix_socket(self, proposal):
+        value = proposal["value"].strip()
+        if value and not os.path.isabs(value):
+            raise TraitError(f"unix_socket must be an absolute path, not {value!r}")
+        if len(value.encode()) > transport.MAX_SOCKET_PATH:
+            raise TraitError(f"unix_socket {value!r} is too long for a Unix socket (at most {transport.MAX_SOCKET_PATH} bytes)")
+        return value
 
     @default("url")
     def _url_default(self) -> str:
@@ -288,9 +331,64 @@ class GPUBroker(SchedulingConfig, Application):
 
     def listen_address(self) -> tuple[str, int]:
         parsed = urlparse(self.url)
-        if parsed.scheme not in ("http", "") or not parsed.port:
-            raise TraitError(f"url must be http://HOST:PORT, not {self.url!r}")
+        if parsed.scheme not in ("http", "https", "") or not parsed.port:
+            raise TraitError(f"url must be http://HOST:PORT or https://HOST:PORT, not {self.url!r}")
         return parsed.hostname or "127.0.0.1", parsed.port
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """TLS for an https:// url (the servers verify this certificate), else None."""
+        if urlparse(self.url).scheme != "https":
+            return None
+        if not (self.ssl_certfile and self.ssl_keyfile):
+            raise TraitError(
+                "url is https:// but no certificate is set: set ssl_certfile and ssl_keyfile, or turn on the "
+                "hub's internal_ssl, which gives its services JUPYTERHUB_SSL_CERTFILE and JUPYTERHUB_SSL_KEYFILE"
+            )
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            ctx.load_cert_chain(self.ssl_certfile, self.ssl_keyfile)
+        except (OSError, ssl.SSLError) as exc:
+            raise TraitError(f"cannot load the broker's certificate {self.ssl_certfile}: {exc}") from None
+        return ctx
+
+    def _listen_unix(self) -> None:
+        """Listen on ``unix_socket``, in a directory nobody else can write (checked, or made so)."""
+        path = self.unix_socket
+        try:
+            transport.prepare_socket_dir(path)
+        except ValueError as exc:
+            raise TraitError(str(exc)) from None
+        if os.path.lexists(path) and not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise TraitError(f"unix_socket {path} exists and is not a socket; remove it or choose another path")
+        sock = bind_unix_socket(path, mode=0o666)
+        # Its own server: no TLS on the socket (the directory is the proof), and no proxy headers.
+        self.unix_server = HTTPServer(self.web_app)
+        self.unix_server.add_socket(sock)
+        self._unix_path = path
+        self.log.info("GPU broker: the servers of this host connect through the Unix socket %s", path)
+
+    def _listen_tcp(self) -> bool:
+        """Listen on ``url``; False when its port is taken (with a socket, the broker goes on without it)."""
+        address, port = self.listen_address()
+        try:
+            self.http_server.listen(port, address)
+        except OSError as exc:
+            if not self.unix_socket:
+                raise
+            self.log.error(
+                "GPU broker: cannot listen on %s (%s); the servers still reach the broker through %s, and the "
+                "broker tries the address again every few seconds",
+                self.url, exc.strerror or exc, self.unix_socket,
+            )
+            return False
+        return True
+
+    async def _retry_tcp(self) -> None:
+        while True:
+            await asyncio.sleep(5.0)
+            if self._listen_tcp():
+                self.log.info("GPU broker: now listening on %s", self.url)
+                return
 
     async def setup(self) -> None:
         """Open the inventory and the ledger, start the arbiter and listen."""
@@ -340,9 +438,11 @@ class GPUBroker(SchedulingConfig, Application):
             hub_auth=self.hub_auth,
         )
         await self.arbiter.start()
-        address, port = self.listen_address()
-        self.http_server = HTTPServer(self.web_app, xheaders=True)
-        self.http_server.listen(port, address)
+        self.http_server = HTTPServer(self.web_app, xheaders=True, ssl_options=self.ssl_context())
+        if self.unix_socket:
+            self._listen_unix()
+        if not self._listen_tcp():
+            self._tcp_retry = asyncio.create_task(self._retry_tcp())
         self._upkeep = asyncio.create_task(self._upkeep_loop())
         self.log.info(
             "GPU broker %s of node %s on %s%s: %s backend, %d GPU(s), ledger %s, policy %s",
@@ -392,11 +492,14 @@ class GPUBroker(SchedulingConfig, Application):
 
     async def teardown(self) -> None:
         self.log.info("GPU broker stopping")
-        if self._upkeep is not None:
-            self._upkeep.cancel()
+        for task in (self._upkeep, self._tcp_retry):
+            if task is not None:
+                task.cancel()
         server = self.http_server
         if server is not None:
             server.stop()
+        if self.unix_server is not None:
+            self.unix_server.stop()
         for sock in list(self.broker.sockets if self.broker else ()):
             sock.close(1001, "the GPU broker is restarting")
         if self.arbiter is not None:
@@ -406,6 +509,17 @@ class GPUBroker(SchedulingConfig, Application):
             try:
                 await asyncio.wait_for(server.close_all_connections(), 5)
             except asyncio.TimeoutError:
+                pass
+        if self.unix_server is not None:
+            try:
+                await asyncio.wait_for(self.unix_server.close_all_connections(), 5)
+            except asyncio.TimeoutError:
+                pass
+        if self._unix_path:
+            try:  # the next broker makes its own; a stale socket would only refuse connections
+                if stat.S_ISSOCK(os.lstat(self._unix_path).st_mode):
+                    os.unlink(self._unix_path)
+            except OSError:
                 pass
 
     async def serve(self) -> None:

@@ -8,7 +8,7 @@ import logging
 import os
 
 from jupyter_server.extension.application import ExtensionApp
-from traitlets import Bool, TraitError, Unicode, default
+from traitlets import Bool, TraitError, Unicode, default, validate
 
 from ..core import SchedulingError
 from ..config import SCHEDULING_TRAITS, SchedulingConfig, one_of, open_inventory
@@ -28,7 +28,18 @@ class GPUSchedApp(SchedulingConfig, ExtensionApp):
 
     broker_url = Unicode(
         help="""URL of the hub's GPU broker service. When set (or JUPYTER_GPUSCHED_BROKER_URL is),
-        this server asks the broker for GPUs instead of scheduling them itself.""",
+        this server asks the broker for GPUs instead of scheduling them itself. On the broker's
+        own host use its Unix socket, http+unix://<socket path, %-encoded>/services/gpusched/
+        (the server checks before each connection that only the broker's user can have made the
+        socket); elsewhere https://... (the broker's certificate verified with broker_ca). A plain
+        http:// URL works but sends the server's token to whoever holds that address.""",
+    ).tag(config=True)
+
+    broker_ca = Unicode(
+        help="""CA certificate file (PEM) that the broker's certificate must be signed by, for an
+        https:// broker_url. Default: the environment variable JUPYTER_GPUSCHED_BROKER_CA, else
+        JupyterHub's internal_ssl CA of this server (JUPYTERHUB_SSL_CLIENT_CA); empty: the
+        system's trusted authorities.""",
     ).tag(config=True)
 
     simulated_state_path = Unicode(
@@ -71,6 +82,22 @@ class GPUSchedApp(SchedulingConfig, ExtensionApp):
     @default("broker_url")
     def _broker_url_default(self) -> str:
         return os.environ.get("JUPYTER_GPUSCHED_BROKER_URL", "")
+
+    @validate("broker_url")
+    def _valid_broker_url(self, proposal):
+        value = proposal["value"].strip()
+        if value:
+            from ..transport import parse_broker_url
+
+            try:
+                parse_broker_url(value)
+            except ValueError as exc:
+                raise TraitError(str(exc)) from None
+        return value
+
+    @default("broker_ca")
+    def _broker_ca_default(self) -> str:
+        return os.environ.get("JUPYTER_GPUSCHED_BROKER_CA") or os.environ.get("JUPYTERHUB_SSL_CLIENT_CA", "")
 
     def _wire_logging(self) -> None:
         """Send the package's log records (grants, queueing, reclaims, ...) to the server's log.
@@ -134,7 +161,9 @@ class GPUSchedApp(SchedulingConfig, ExtensionApp):
         if self.broker_url:
             from ..arbiter.remote import BrokerClient
 
-            arbiter = BrokerClient(self.broker_url, kernels=kernels, user=user, log=self.log)
+            arbiter = BrokerClient(
+                self.broker_url, kernels=kernels, user=user, log=self.log, ca_file=self.broker_ca or None
+            )
         else:
             from ..arbiter.build import build_local_arbiter
 
