@@ -343,3 +343,51 @@ def test_the_api_refuses_whoever_the_hub_does_not_vouch_for(setup):
             await setup.close()
 
     run(scenario())
+
+
+def test_after_a_restart_another_users_server_cannot_take_a_kernel_id(setup):
+    """Alice's server reports bob's kernel id first after a broker restart, then drops it: bob's
+    lease stays, bob's server is believed about it, and bob can still claim for it."""
+
+    async def scenario():
+        app = await setup.start_broker()
+        try:
+            alice, alice_kernels = await setup.server("alice")
+            bob, bob_kernels = await setup.server("bob")
+            ka, kb = alice_kernels.ids[0], bob_kernels.ids[0]
+            granted = await bob.claim(Principal("bob"), Claim(kb))
+            assert granted.status == 201
+            await until(lambda: app.kernels.kernel_pid(kb) is not None, 5, "bob's kernel's pid")
+            await asyncio.sleep(0.3)  # one more pass: the kernel's process owns the lease
+            await setup.stop_broker()
+            await bob.stop()
+            # Alice saw bob's kernel id (show_holders); her server now reports it as its own.
+            alice_kernels.procs[kb] = alice_kernels._spawn()
+            app = await setup.start_broker()
+            await until(lambda: alice.connected and app.kernels.known(ka), 20, "alice's server back")
+            await asyncio.sleep(0.5)  # a few more of alice's heartbeats
+            assert app.kernels.user_of(kb) == "bob"
+            mine = [s for s in app.kernels.servers() if s["user"] == "alice"]
+            assert mine and mine[0]["kernels"] == [ka], "alice's report of bob's kernel was refused"
+            alice_kernels.kill(kb)  # and dropped from her heartbeats
+            await asyncio.sleep(0.6)
+            assert lease_by_kernel(app, kb) is not None, "bob's lease outlives alice's heartbeats"
+            # Bob's server comes back: believed about its kernel, and bob can claim.
+            bob = BrokerClient(setup.url, kernels=bob_kernels, user="bob", token="tok-bob")
+            setup.clients.append(bob)
+            await bob.start()
+            await until(lambda: app.kernels.kernel_pid(kb) == bob_kernels.kernel_pid(kb), 20, "bob's heartbeat")
+            theirs = [s for s in app.kernels.servers() if s["user"] == "bob"]
+            assert theirs[0]["kernels"] == [kb] and theirs[0]["server_id"] == bob_kernels.server_id
+            await asyncio.sleep(0.5)
+            lease = lease_by_kernel(app, kb)
+            assert lease is not None and lease.id == granted.lease["id"] and lease.holding
+            again = await bob.claim(Principal("bob"), Claim(kb))
+            assert again.status == 200 and again.lease["id"] == granted.lease["id"]
+            with pytest.raises(Exception) as refused:
+                await alice.claim(Principal("alice"), Claim(kb))
+            assert "no running kernel" in str(refused.value)
+        finally:
+            await setup.close()
+
+    run(scenario())

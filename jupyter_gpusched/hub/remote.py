@@ -21,8 +21,13 @@ pids. The server's pid and its kernels' pids are mapped to host pids before anyt
 (:class:`~jupyter_gpusched.procs.PidNamespaces`), and everything here holds host pids. GPU processes
 outside every lease are attributed to the server (and pod) they run under (:meth:`owner_of`).
 
-A kernel belongs to the hub user whose server reported it (or claimed a GPU for it) first; a
-kernel id never changes hands. A server that falls silent keeps its leases while its kernels'
+A kernel belongs to the hub user the ledger records for it (the user of its live lease, or of one
+released within :data:`ENDED_MEMORY`; see :meth:`remember_users`), else to the hub user whose
+server reported it (or claimed a GPU for it) first; a kernel id never changes hands. So after a
+broker restart, another user's server that reports a kernel id first cannot take it: the report
+is refused and logged, and the owner's server is believed as before. Within one user, a kernel
+stays with the server that reports it while that server's process runs: another of the user's
+servers that reports it is refused in the same way, and its heartbeats never end the lease. A server that falls silent keeps its leases while its kernels'
 processes live; once it has been silent for ``heartbeat_timeout`` seconds its kernels count as
 gone unless their processes still hold a GPU (those are reported, see :meth:`stranded`).
 """
@@ -223,6 +228,10 @@ class RemoteKernels:
         self._servers: dict[str, RemoteServer] = {}
         self._kernels: dict[str, RemoteKernel] = {}
         self._ended: dict[str, tuple[str, float]] = {}
+        #: Whose each kernel is as the ledger records it (kernel id -> (user, when read)).
+        self._recorded: dict[str, tuple[str, float]] = {}
+        #: The user of a kernel's live lease, if it has one (the broker sets it: the arbiter's leases).
+        self.lease_user: Callable[[str], str | None] = lambda kernel_id: None
         self._warned: set[str] = set()
         #: The latest sample of process trees and CPU use (taken off the event loop).
         self._sample: dict[str, tuple[int | None, frozenset[int], int]] = {}
@@ -354,19 +363,26 @@ class RemoteKernels:
                 problems.append(str(exc))
                 continue
             kernel = self._kernels.get(kernel_id)
-            if kernel is None:
-                ended = self._ended.get(kernel_id)
-                if ended is not None and ended[0] != server.user:
-                    problems.append(f"kernel {kernel_id} belongs to another user")
-                    continue
-                self._ended.pop(kernel_id, None)
-                kernel = self._kernels[kernel_id] = RemoteKernel(kernel_id, server.user, server_id, now)
-            elif kernel.user != server.user:
+            owner = kernel.user if kernel is not None else self.user_of(kernel_id)
+            if owner is not None and owner != server.user:
+                # Refused for the newcomer only: the owner's kernel, lease and heartbeats stay.
                 problems.append(f"kernel {kernel_id} belongs to another user")
                 self._warn_once(
                     f"user:{kernel_id}:{server_id}",
-                    "server %s of %s reported kernel %s of %s; ignored",
-                    server_id, server.user, kernel_id, kernel.user,
+                    "server %s of %s reported kernel %s, which is %s's; ignored",
+                    server_id, server.user, kernel_id, owner,
+                )
+                continue
+            if kernel is None:
+                self._ended.pop(kernel_id, None)
+                self._recorded.pop(kernel_id, None)
+                kernel = self._kernels[kernel_id] = RemoteKernel(kernel_id, server.user, server_id, now)
+            elif kernel.server_id != server_id and self._holds(kernel):
+                problems.append(f"kernel {kernel_id} is another server's (server {kernel.server_id})")
+                self._warn_once(
+                    f"server:{kernel_id}:{server_id}",
+                    "server %s of %s reported kernel %s of its server %s, which still runs; ignored",
+                    server_id, server.user, kernel_id, kernel.server_id,
                 )
                 continue
             if kernel.server_id != server_id:
@@ -387,6 +403,16 @@ class RemoteKernels:
             if kernel.reported or now - kernel.registered > self.launch_grace:
                 self._forget(kernel_id, "its server no longer reports it")
         return problems
+
+    def _holds(self, kernel: RemoteKernel) -> bool:
+        """Whether the server a kernel is with still has it: the server reported it and is
+        connected, or its process still runs (a server that only lost its connection comes back)."""
+        server = self._servers.get(kernel.server_id)
+        if server is None or kernel.kernel_id not in server.kernels:
+            return False
+        if server.connection is not None:
+            return kernel.reported
+        return kernel.reported and server.pid is not None and procs.same_process(server.pid, server.pid_started)
 
     def _check_pid(self, server: RemoteServer, kernel: RemoteKernel, pid: int) -> str | None:
         """None if ``pid`` may be this kernel's process, else why not."""
@@ -466,12 +492,33 @@ class RemoteKernels:
 
     # -- claims -------------------------------------------------------------------------------
     def user_of(self, kernel_id: str) -> str | None:
-        """The hub user a kernel belongs to, if the broker knows (or remembers) it."""
+        """The hub user a kernel belongs to, if the broker knows (or remembers) it.
+
+        The user of the kernel's live lease first, then what the ledger recorded when the broker
+        started (:meth:`remember_users`), then the user whose server reported it.
+        """
+        leased = self.lease_user(kernel_id)
+        if leased is not None:
+            return leased
+        recorded = self._recorded.get(kernel_id)
+        if recorded is not None:
+            return recorded[0]
         kernel = self._kernels.get(kernel_id)
         if kernel is not None:
             return kernel.user
         ended = self._ended.get(kernel_id)
         return ended[0] if ended is not None else None
+
+    def remember_users(self, users: Mapping[str, str]) -> None:
+        """Whose each kernel is, as the ledger records it (kernel id -> hub user), read when the
+        broker starts: no server's report can take those kernel ids from their users. Remembered
+        for :data:`ENDED_MEMORY` seconds, or until the kernel's own user's server reports it."""
+        now = self.clock()
+        for kernel_id, user in users.items():
+            if kernel_id not in self._kernels:
+                self._recorded[kernel_id] = (user, now)
+        if users:
+            log.info("the ledger records the users of %d kernel(s)", len(users))
 
     def known(self, kernel_id: str) -> bool:
         return kernel_id in self._kernels
@@ -530,9 +577,10 @@ class RemoteKernels:
         :meth:`stranded`): their leases stay until those processes end.
         """
         now = self.clock()
-        for kernel_id, (_, at) in list(self._ended.items()):
-            if now - at > ENDED_MEMORY:
-                del self._ended[kernel_id]
+        for memory in (self._ended, self._recorded):
+            for kernel_id, (_, at) in list(memory.items()):
+                if now - at > ENDED_MEMORY:
+                    del memory[kernel_id]
         for kernel_id, kernel in list(self._kernels.items()):
             if not kernel.reported and now - kernel.registered > self.launch_grace:
                 self._forget(kernel_id, "no server ever reported it")

@@ -15,7 +15,7 @@ from ..api.events import latest, shape
 from ..api.views import Principal, iso
 from ..arbiter import ArbiterEvent, HubPolicy, LocalArbiter
 from ..core.forecast import gpu_states
-from .remote import RemoteKernels
+from .remote import ENDED_MEMORY, RemoteKernels
 
 log = logging.getLogger("jupyter_gpusched.broker")
 
@@ -39,6 +39,14 @@ class Broker:
         self._pending: list[ArbiterEvent] = []
         self._flush_soon = False
         arbiter.subscribe(self._on_event)
+        # Whose each kernel is, before the first heartbeat: after a restart, the first server to
+        # report a kernel id must not take another user's kernel (and end its lease by dropping it).
+        kernels.lease_user = self._lease_user
+        kernels.remember_users(arbiter.ledger.kernel_users(released_since=arbiter.clock() - ENDED_MEMORY))
+
+    def _lease_user(self, kernel_id: str) -> str | None:
+        """The user of ``kernel_id``'s live lease, if it has one."""
+        return next((le.user for le in self.arbiter.state.leases if le.kernel_id == kernel_id and le.live), None)
 
     # What the admin page asks (page.py); the arbiter's policy decides who may.
     async def status(self, who: Principal) -> dict:

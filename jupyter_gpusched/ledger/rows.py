@@ -151,6 +151,17 @@ def select_leases(conn: sqlite3.Connection, live_only: bool) -> list[Lease]:
     return [from_row(row) for row in rows]
 
 
+def select_kernel_users(conn: sqlite3.Connection, released_since: float) -> dict[str, str]:
+    """The hub user of each kernel with a live lease, or a lease released at ``released_since``
+    or later (the latest lease's user where a kernel had several)."""
+    marks = ", ".join("?" for _ in LIVE_STATES)
+    rows = conn.execute(
+        f'SELECT kernel_id, "user" FROM leases WHERE state IN ({marks}) OR released_at >= ? ORDER BY created_at, id',
+        (*LIVE_STATES, released_since),
+    )
+    return {kernel_id: user for kernel_id, user in rows}
+
+
 def select_lease(conn: sqlite3.Connection, lease_id: str) -> Lease | None:
     row = conn.execute(f"SELECT {COLUMN_LIST} FROM leases WHERE id = ?", (lease_id,)).fetchone()
     return None if row is None else from_row(row)

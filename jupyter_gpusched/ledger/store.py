@@ -23,6 +23,7 @@ from .rows import (
     event_from_row,
     select_checkpoints,
     select_drained,
+    select_kernel_users,
     select_lease,
     select_leases,
     select_owners,
@@ -292,6 +293,11 @@ class Ledger:
     def lease(self, lease_id: str) -> Lease | None:
         """One lease, or ``None``."""
         return self._read(lambda c: select_lease(c, lease_id))
+
+    def kernel_users(self, released_since: float) -> dict[str, str]:
+        """Whose each kernel is, by kernel id: the user of its live lease, or of a lease released
+        at ``released_since`` or later (a broker that restarts knows its kernels' users from it)."""
+        return self._read(lambda c: select_kernel_users(c, released_since))
 
     def owners(self, live_only: bool = True) -> dict[str, Owner]:
         """Owner of each live lease that has one, by lease id; of released ones too unless ``live_only``."""
