@@ -14,13 +14,20 @@ The admin page is at /services/gpusched/ (also under Services in the hub's menu)
 
 import os
 import sys
+from urllib.parse import quote
 
 c = get_config()  # noqa: F821 - provided by JupyterHub when it loads this file
 
 # -- The GPU broker: a hub-managed service that owns the GPUs and the lease ledger -------------
-# Where it listens (the hub tells it through JUPYTERHUB_SERVICE_URL) and where the single-user
-# servers on this host reach it.
+# It listens in two places. The single-user servers of this host reach it through a Unix socket
+# in a directory only the broker's user (root here) can create files in: every server sends its
+# hub token to the broker, and no other local user can take that address, not even while the
+# broker restarts (a TCP port on 127.0.0.1 that is free for a moment can be taken by anyone, who
+# would then collect the servers' tokens). Each server checks the socket's path before it
+# connects. The hub's proxy reaches the admin page over TCP (the hub tells the broker where,
+# through JUPYTERHUB_SERVICE_URL); no server's token goes there.
 GPUSCHED_URL = os.environ.get("GPUSCHED_BROKER_URL", "http://127.0.0.1:10101")
+GPUSCHED_SOCKET = os.environ.get("GPUSCHED_BROKER_SOCKET", "/run/jupyterhub-gpusched/broker.sock")
 
 c.JupyterHub.services = [
     {
@@ -31,6 +38,8 @@ c.JupyterHub.services = [
         "command": [sys.executable, "-m", "jupyter_gpusched.cli", "broker", f"--config={__file__}"],
         "display": True,
         "oauth_no_confirm": True,
+        # The broker reads this file again in its own environment: give it the same socket.
+        "environment": {"GPUSCHED_BROKER_SOCKET": GPUSCHED_SOCKET},
     },
 ]
 
@@ -46,9 +55,9 @@ c.Spawner.server_token_scopes = [
     "access:services!service=gpusched",
 ]
 
-# Every single-user server schedules its kernels' GPUs through the broker.
+# Every single-user server schedules its kernels' GPUs through the broker, over its socket.
 c.Spawner.environment = {
-    "JUPYTER_GPUSCHED_BROKER_URL": GPUSCHED_URL + "/services/gpusched/",
+    "JUPYTER_GPUSCHED_BROKER_URL": "http+unix://" + quote(GPUSCHED_SOCKET, safe="") + "/services/gpusched/",
 }
 
 # Optional: make every kernel go through the scheduler, so that no kernel sees a GPU without a
@@ -57,6 +66,7 @@ c.Spawner.environment = {
 
 # -- The broker's policy (c.GPUBroker.<trait>; see `jupyter gpusched broker --help-all`) -------
 c.GPUBroker.backend = "nvml"
+c.GPUBroker.unix_socket = GPUSCHED_SOCKET
 c.GPUBroker.ledger_path = "/var/lib/jupyterhub/gpusched.sqlite"
 c.GPUBroker.policy = "hybrid"
 # Guaranteed GPUs: by hub user, by hub group (the largest of a user's groups), and for everyone

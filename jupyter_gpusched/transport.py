@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from tornado.netutil import Resolver
 
 __all__ = [
+    "BrokerAbsent",
     "BrokerAddress",
     "UnixResolver",
     "UntrustedBroker",
@@ -48,6 +49,10 @@ MAX_SOCKET_PATH = 107
 
 class UntrustedBroker(Exception):
     """The broker's address cannot be trusted with a token: nothing is sent there."""
+
+
+class BrokerAbsent(UntrustedBroker):
+    """The broker's socket is not there: the broker is not running (nothing is sent either)."""
 
 
 @dataclass(frozen=True)
@@ -197,7 +202,7 @@ def check_socket(path: str, *, owners: set[int] | None = None) -> None:
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        raise UntrustedBroker(f"there is no socket at {path}: the broker is not running") from None
+        raise BrokerAbsent(f"there is no socket at {path}: the broker is not running") from None
     except OSError as exc:
         raise UntrustedBroker(f"{path} cannot be read ({exc.strerror})") from None
     if not stat.S_ISSOCK(st.st_mode):

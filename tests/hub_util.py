@@ -24,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterable
@@ -114,6 +115,11 @@ class Hub:
         self.hub_port = free_port()
         self.proxy_api_port = free_port()
         self.broker_port = free_port()
+        # The broker's socket: a short path (a Unix socket's has at most 107 bytes) in a directory
+        # of the hub's user that every user may enter.
+        self.socket_dir = Path(tempfile.mkdtemp(prefix="gpusched-run-"))
+        os.chmod(self.socket_dir, 0o755)
+        self.broker_socket = str(self.socket_dir / "broker.sock")
         self.admin_token = secrets.token_hex(16)
         self.ledger_path = str(self.dir / "gpusched.sqlite")
         self.sim_state = str(self.dir / "gpusched-sim.sqlite")
@@ -190,6 +196,7 @@ class Hub:
         if shutil.which("configurable-http-proxy", path=env["PATH"]) is None:
             raise HubError("configurable-http-proxy is not on PATH (npm install -g configurable-http-proxy)")
         env["GPUSCHED_BROKER_URL"] = f"http://127.0.0.1:{self.broker_port}"
+        env["GPUSCHED_BROKER_SOCKET"] = self.broker_socket
         env.pop("JUPYTERHUB_API_TOKEN", None)
         env.update(self.hub_environment)
         self._log = open(self.log_path, "ab")
@@ -284,6 +291,7 @@ class Hub:
             self._log.close()
         self._session.close()
         self.proc = None
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
 
     def __enter__(self) -> Hub:
         try:

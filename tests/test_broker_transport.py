@@ -209,7 +209,7 @@ async def test_servers_reach_the_broker_through_its_socket_and_nobody_else_can_t
         await setup.stop_broker()
         assert not os.path.lexists(setup.sock_path)
         await until(lambda: not client.connected, 10, "the server to notice")
-        with pytest.raises(BrokerUnavailable, match="the broker is not running"):
+        with pytest.raises(BrokerUnavailable, match="broker is not running .*keeps trying"):
             await client.status(Principal(user="alice"))
 
         # Another user tries to take the broker's address: the directory is not theirs.

@@ -131,12 +131,17 @@ class BrokerClient(Arbiter):
             return
         try:
             transport.check_socket(self.address.socket_path)
+        except transport.BrokerAbsent as exc:
+            self.untrusted = None
+            raise BrokerUnavailable(
+                f"the hub's GPU broker is not running ({exc}); this server keeps trying. Try again in a moment, "
+                "or ask the hub admin whether the gpusched service runs"
+            ) from None
         except transport.UntrustedBroker as exc:
             why = str(exc)
             if why != self.untrusted:
                 self.untrusted = why
-                log = self.log.info if "the broker is not running" in why else self.log.error
-                log("GPU scheduler: %s", _unverified(self.address, why))
+                self.log.error("GPU scheduler: %s", _unverified(self.address, why))
             raise BrokerUnavailable(_unverified(self.address, why)) from None
         self.untrusted = None
 
@@ -238,8 +243,10 @@ class BrokerClient(Arbiter):
                 )
             except asyncio.CancelledError:
                 raise
-            except BrokerUnavailable:
-                failures += 1  # _check_address said why, once
+            except BrokerUnavailable as exc:
+                failures += 1  # an untrusted address was logged once by _check_address
+                if self.untrusted is None and failures in (1, 10):
+                    self.log.warning("GPU scheduler: %s", exc.message)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF)
                 continue
