@@ -46,6 +46,8 @@ class ReclaimExecutor:
         self.restores: dict[str, asyncio.Task] = {}
         #: Lease id -> when its kernel was asked to drop its framework caches.
         self.cache_asked: dict[str, float] = {}
+        #: Orphaned checkpoints already said to wait for their GPU (pid, start time, holder).
+        self._orphans_told: set[tuple[int, float, str]] = set()
         self._tasks: set[asyncio.Task] = set()
 
     async def stop(self) -> None:
@@ -316,7 +318,10 @@ class ReclaimExecutor:
 
         A suspended lease's processes wait for their kernel's next cell. Any other checkpoint
         (its lease released by the user, by a disconnect or a crash, or the arbiter restarted
-        halfway) is restored now, onto the GPU it came from, if its process still runs.
+        halfway) is restored onto the GPU it came from, if its process still runs, once no other
+        lease holds that GPU: a GPU granted to another kernel meanwhile is never given a second
+        kernel's memory. Until then the checkpoint waits (its process stays frozen); a process
+        that ended meanwhile only has its checkpoint forgotten.
         """
         arbiter = self.arbiter
         records = await asyncio.to_thread(arbiter.ledger.checkpoints)
@@ -331,6 +336,18 @@ class ReclaimExecutor:
             if waiting or self.busy(record.lease_id):
                 continue
             gone = arbiter.known_lease(record.lease_id)
+            held_by = _holders(record, live.values())
+            if held_by and procs.same_process(record.pid, record.create_time):
+                key = (record.pid, record.create_time, held_by[0].id)
+                if key not in self._orphans_told:
+                    self._orphans_told.add(key)
+                    log.info(
+                        "lease %s of kernel %s is no longer suspended: pid %s stays checkpointed until %s is "
+                        "free (lease %s of kernel %s holds it now)",
+                        record.lease_id, record.kernel_id, record.pid, ",".join(record.devices),
+                        held_by[0].id, held_by[0].kernel_id,
+                    )
+                continue
             ok = await self.restore_one(record, None, gone or lease or _placeholder(record))
             if ok and procs.same_process(record.pid, record.create_time):
                 log.warning(
@@ -356,6 +373,15 @@ def _if_still(step: Step, fn: Callable[[Lease, float], Lease | None]) -> Callabl
         return None
 
     return apply
+
+
+def _holders(record: Checkpoint, leases: Iterable[Lease]) -> list[Lease]:
+    """Live leases other than the checkpoint's own that hold a GPU it was taken from."""
+    mine = set(record.devices)
+    return [
+        lease for lease in leases
+        if lease.id != record.lease_id and lease.holding and not mine.isdisjoint(lease.devices)
+    ]
 
 
 def _placeholder(record: Checkpoint) -> Lease:

@@ -1,0 +1,209 @@
+"""The broker's bad run of two computing kernels and a third that waits, step by step.
+
+alice and bob each hold a GPU with 1 GiB on it and compute; carol's first cell waits. In the bad
+run the broker checkpointed bob while his cell still ran (alice's had just ended), granted his GPU
+to carol, restored bob's frozen process onto that same GPU once his lease was gone, and ended
+alice's lease as "the kernel has shut down" while her kernel lived. Each step is replayed here on
+a real arbiter, real processes and simulated GPUs, with a kernel host the test scripts and a clock
+that moves only when told to.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from conftest import FakeClock
+from jupyter_gpusched.api.input import Claim
+from jupyter_gpusched.api.views import Principal
+from jupyter_gpusched.arbiter.local import LocalArbiter
+from jupyter_gpusched.core import LeaseState, SchedConfig, Step
+from jupyter_gpusched.devices.simulated import SimulatedBackend
+from jupyter_gpusched.ledger import Ledger
+from jupyter_gpusched.reclaim.checkpoint import SimulatedCheckpointer
+
+GiB = 1024**3
+
+
+class Host:
+    """A kernel host the test scripts: each kernel's process, what its server says, whether the
+    host still knows it."""
+
+    server_id = "host"
+
+    def __init__(self) -> None:
+        self.pids: dict[str, int] = {}
+        #: Kernel id -> (counted busy, last busy at, began at), as the host reports it.
+        self.states: dict[str, tuple[bool, float | None, float | None]] = {}
+        #: Kernels whose server says they run a cell now, believed or not.
+        self.said: set[str] = set()
+        self.forgotten: set[str] = set()
+
+    def add(self, kernel_id: str, pid: int) -> None:
+        self.pids[kernel_id] = pid
+        self.states[kernel_id] = (False, None, None)
+
+    def activity(self):
+        return {k: v for k, v in self.states.items() if k not in self.forgotten}
+
+    def said_running(self, kernel_id: str) -> bool:
+        return kernel_id in self.said
+
+    def alive(self, kernel_id: str):
+        if kernel_id in self.forgotten:
+            return False
+        return True if kernel_id in self.pids else None
+
+    def executing(self, kernel_id: str) -> bool:
+        return False
+
+    def asking(self, kernel_id: str) -> None:
+        pass
+
+    def restarting(self, kernel_id: str) -> bool:
+        return False
+
+    def adopted(self, kernel_id: str) -> None:
+        pass
+
+    def kernel_pid(self, kernel_id: str):
+        return None if kernel_id in self.forgotten else self.pids.get(kernel_id)
+
+    def process_tree(self, kernel_id: str) -> set[int]:
+        pid = self.kernel_pid(kernel_id)
+        return {pid} if pid else set()
+
+    def process_trees(self) -> dict[str, set[int]]:
+        return {k: self.process_tree(k) for k in self.pids}
+
+    def notebook(self, kernel_id: str):
+        return None
+
+    async def refresh_notebooks(self) -> None:
+        pass
+
+    def user_of(self, kernel_id: str):
+        return None
+
+    async def restart(self, kernel_id: str) -> None:
+        pass
+
+    async def shutdown(self, kernel_id: str) -> None:
+        pass
+
+
+class Scene:
+    def __init__(self, tmp_path, cfg: SchedConfig) -> None:
+        self.clock = FakeClock()
+        self.backend = SimulatedBackend(2, state_path=str(tmp_path / "sim.sqlite"))
+        self.host = Host()
+        self.arb = LocalArbiter(
+            cfg=cfg, ledger=Ledger(tmp_path / "ledger.sqlite"), backend=self.backend,
+            checkpointer=SimulatedCheckpointer(self.backend), kernels=self.host, clock=self.clock,
+        )
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def kernel(self, name: str) -> str:
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        self.procs[name] = proc
+        kernel_id = f"k-{name}"
+        self.host.add(kernel_id, proc.pid)
+        return kernel_id
+
+    async def claim(self, name: str) -> dict:
+        result = await self.arb.claim(Principal(user=name), Claim(kernel_id=f"k-{name}"))
+        return result.lease
+
+    def lease(self, lease_id: str):
+        return self.arb.ledger.lease(lease_id)
+
+    def on_gpu(self, uuid: str) -> set[int]:
+        return {p.pid for d in self.backend.snapshot() if d.uuid == uuid for p in d.processes}
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            proc.kill()
+            proc.wait(10)
+        self.arb.close()
+
+
+@pytest.fixture
+def scene(tmp_path):
+    made: list[Scene] = []
+
+    def make(cfg: SchedConfig = SchedConfig()) -> Scene:
+        where = tmp_path / str(len(made))
+        where.mkdir()
+        made.append(Scene(where, cfg))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()
+
+
+async def _suspend(s: Scene, lease_id: str) -> None:
+    """Checkpoint ``lease_id`` now, as the core decides for an idle lease someone waits for."""
+
+    def due(cur, now):
+        return replace(cur, state=LeaseState.RECLAIMING, reclaim_step=Step.CHECKPOINT, reclaim_at=now, reason="wanted")
+
+    await s.arb.reclaims.checkpoint(await s.arb.update(s.arb.live_lease(lease_id), due))
+    assert s.lease(lease_id).state == LeaseState.SUSPENDED
+
+
+async def test_a_checkpoint_whose_lease_ended_waits_while_its_gpu_is_granted_to_another(scene):
+    s = scene()
+    await s.arb.tick()
+    for name in ("alice", "bob"):
+        s.kernel(name)
+    alice, bob = await s.claim("alice"), await s.claim("bob")
+    gpu_b = bob["devices"][0]
+    s.backend.add_process(alice["devices"][0], s.procs["alice"].pid, GiB)
+    s.backend.add_process(gpu_b, s.procs["bob"].pid, GiB)
+    await s.arb.tick()
+    await _suspend(s, bob["id"])
+    s.kernel("carol")
+    carol = await s.claim("carol")
+    assert carol["state"] == "active" and carol["devices"] == [gpu_b]
+
+    # bob's suspended lease ends (his kernel released it): his checkpoint is an orphan now.
+    await s.arb.release(Principal(user="bob", kernel_id="k-bob"), bob["id"])
+    for _ in range(2):
+        s.clock.advance(1)
+        await s.arb.tick()
+    bob_pid = s.procs["bob"].pid
+    assert bob_pid not in s.on_gpu(gpu_b), "never restored onto the GPU carol holds"
+    assert s.backend.checkpointed(bob_pid) == GiB
+    assert len(s.arb.ledger.checkpoints()) == 1
+
+    # carol lets go of it: bob's process gets its memory back where it was.
+    await s.arb.release(Principal(user="carol"), carol["id"])
+    s.clock.advance(1)
+    await s.arb.tick()
+    assert bob_pid in s.on_gpu(gpu_b) and s.backend.checkpointed(bob_pid) == 0
+    assert s.arb.ledger.checkpoints() == []
+    await s.arb.stop()
+
+
+async def test_an_orphaned_checkpoint_of_a_process_that_ended_is_forgotten(scene):
+    s = scene()
+    await s.arb.tick()
+    s.kernel("alice"), s.kernel("bob")
+    await s.claim("alice")
+    bob = await s.claim("bob")
+    s.backend.add_process(bob["devices"][0], s.procs["bob"].pid, GiB)
+    await s.arb.tick()
+    await _suspend(s, bob["id"])
+    s.kernel("carol")
+    assert (await s.claim("carol"))["devices"] == bob["devices"]
+    await s.arb.release(Principal(user="bob", kernel_id="k-bob"), bob["id"])
+    s.procs["bob"].kill()
+    s.procs["bob"].wait(10)
+    s.clock.advance(1)
+    await s.arb.tick()
+    assert s.arb.ledger.checkpoints() == []
+    await s.arb.stop()
