@@ -35,14 +35,14 @@ class Host:
     server_id = "host"
 
     def __init__(self) -> None:
-        self.pids: dict[str, int] = {}
+        self.pids: dict[str, int | None] = {}
         #: Kernel id -> (counted busy, last busy at, began at), as the host reports it.
         self.states: dict[str, tuple[bool, float | None, float | None]] = {}
         #: Kernels whose server says they run a cell now, believed or not.
         self.said: set[str] = set()
         self.forgotten: set[str] = set()
 
-    def add(self, kernel_id: str, pid: int) -> None:
+    def add(self, kernel_id: str, pid: int | None) -> None:
         self.pids[kernel_id] = pid
         self.states[kernel_id] = (False, None, None)
 
@@ -206,4 +206,43 @@ async def test_an_orphaned_checkpoint_of_a_process_that_ended_is_forgotten(scene
     s.clock.advance(1)
     await s.arb.tick()
     assert s.arb.ledger.checkpoints() == []
+    await s.arb.stop()
+
+
+async def test_a_lease_ends_as_shut_down_only_once_the_kernels_process_is_gone(scene):
+    s = scene()
+    await s.arb.tick()
+    s.kernel("alice")
+    alice = await s.claim("alice")
+    pid = s.procs["alice"].pid
+    s.backend.add_process(alice["devices"][0], pid, GiB)
+    await s.arb.tick()
+
+    # The host loses track of alice's kernel (its server's registry dropped it), while the
+    # kernel's process runs on and holds its GPU memory: the lease stays hers.
+    s.host.forgotten.add("k-alice")
+    for _ in range(3):
+        s.clock.advance(1)
+        await s.arb.tick()
+    assert s.lease(alice["id"]).state in (LeaseState.ACTIVE, LeaseState.IDLE), s.lease(alice["id"]).reason
+
+    # The process ends: now the kernel has shut down.
+    s.procs["alice"].kill()
+    s.procs["alice"].wait(10)
+    s.clock.advance(1)
+    await s.arb.tick()
+    done = s.lease(alice["id"])
+    assert done.state == LeaseState.RELEASED and done.reason == "released: the kernel has shut down"
+    await s.arb.stop()
+
+
+async def test_a_kernel_the_host_says_ended_without_a_known_process_is_released_at_once(scene):
+    s = scene()
+    await s.arb.tick()
+    s.host.add("k-carol", None)  # no process known: the lease is owned by this server
+    carol = await s.claim("carol")
+    s.host.forgotten.add("k-carol")
+    s.clock.advance(1)
+    await s.arb.tick()
+    assert s.lease(carol["id"]).reason == "released: the kernel has shut down"
     await s.arb.stop()

@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
+import socket
 import time
 import uuid as uuidlib
 from dataclasses import dataclass, field, replace
@@ -132,6 +134,8 @@ class LocalArbiter(LocalReads, Arbiter):
         self._kernel_gaps: dict[str, tuple[float, ...]] = {}
         self._kernel_owners: dict[str, OwnerId] = {}
         self._suspects: frozenset[str] = frozenset()
+        #: Leases kept although their host no longer knows the kernel: its process still runs.
+        self._kept_for_process: set[str] = set()
         #: Leases written outside a planning pass (a reclaim step, a release) since the last plan
         #: was applied: a plan read before such a write must not put the older record back.
         self._written: dict[str, Lease] = {}
@@ -304,7 +308,11 @@ class LocalArbiter(LocalReads, Arbiter):
             if ours and self.kernels.restarting(lease.kernel_id):
                 pass  # a deliberate restart keeps the lease; the new process takes it over
             elif ours and self.kernels.alive(lease.kernel_id) is False:
-                gone = "the kernel has shut down"
+                # The host no longer knows the kernel. Where the lease's owner is the kernel's
+                # own process and it still runs (its GPU memory with it), the lease ends when
+                # that process does, not on the host's word alone.
+                if not self._kernel_process_runs(lease, owner):
+                    gone = "the kernel has shut down"
             elif owner is not None and not is_alive(owner):
                 # A kernel of ours whose process just exited may be in a deliberate restart that
                 # this tick raced with: it is released only if still gone at the next tick.
@@ -331,6 +339,26 @@ class LocalArbiter(LocalReads, Arbiter):
                 continue
             out.append(lease)
         return out, released, suspects
+
+    def _kernel_process_runs(self, lease: Lease, owner: Any) -> bool:
+        """Whether ``lease`` is owned by its kernel's own process (not by this server, which owns a
+        lease until the kernel's process is known) and that process still runs."""
+        if owner is None:
+            return False
+        process = owner.process
+        if process.pid == os.getpid() and process.hostname == socket.gethostname():
+            return False
+        if not is_alive(owner):
+            self._kept_for_process.discard(lease.id)
+            return False
+        if lease.id not in self._kept_for_process:
+            self._kept_for_process.add(lease.id)
+            log.warning(
+                "lease %s of kernel %s kept: the kernel host no longer knows the kernel, but its process %s "
+                "still runs; the lease ends when that process does",
+                lease.id, lease.kernel_id, process.pid,
+            )
+        return True
 
     def _resume_running(self, tx, leases: list[Lease], activity: Mapping[str, KernelActivity], now: float) -> list[Lease]:
         """A suspended kernel that runs code anyway (a cell the agent did not see) is restored."""
