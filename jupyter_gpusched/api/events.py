@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-from .views import Principal, iso
+from .views import ANOTHER_USER, Principal, ViewContext, for_viewer, iso, sees_everyone
 
 
 def shape(event: Any, who: Principal, arbiter: Any, ctx: Any = None, *, own_notices_only: bool = False) -> dict | None:
@@ -13,6 +14,8 @@ def shape(event: Any, who: Principal, arbiter: Any, ctx: Any = None, *, own_noti
     Returns None where the event is not for them. An event that arrives already shaped (a
     single-user server in hub mode receives its events from the broker) passes through.
     ``own_notices_only``: notices name a kernel, so the broker sends each only to its user.
+    Every event is shaped by :func:`~jupyter_gpusched.api.views.for_viewer`: another user's
+    notice, where one is sent, names neither them nor their kernel.
     """
     if event.payload is not None:
         return dict(event.payload)
@@ -22,11 +25,19 @@ def shape(event: Any, who: Principal, arbiter: Any, ctx: Any = None, *, own_noti
         return {"type": "device", "device": arbiter.render_device(event.device, who, ctx)}
     if event.type == "notice" and event.notice is not None:
         notice = dict(event.notice)
-        if own_notices_only and notice.get("user") != who.user:
+        owner = notice.get("user")
+        if own_notices_only and owner != who.user:
             return None
         if notice.get("reclaim_at") is not None:
             notice["reclaim_at"] = iso(notice["reclaim_at"])
-        return {"type": "notice", **notice}
+        # Whether holders are shown is the host's setting (as for leases), not the caller's word.
+        show = getattr(arbiter, "show_holders", who.show_holders)
+        if show != who.show_holders:
+            who = replace(who, show_holders=show)
+        if owner != who.user and not sees_everyone(who):
+            notice["user"], notice["kernel_id"] = ANOTHER_USER, None
+        known = ctx if isinstance(ctx, ViewContext) else arbiter.view_context()
+        return for_viewer({"type": "notice", **notice}, who, known, owner=owner)
     return None
 
 

@@ -2,13 +2,17 @@
 
 Times are ISO 8601 UTC, sizes bytes. In hub mode a user sees other users' leases as held by
 "another user" (no kernel ids, no notebook) unless the admin allows names (``show_holders``).
+Free text is shaped the same way: :func:`for_viewer` is the one place that hides other users'
+names, kernel ids and process ids in a view, and every view and event goes through it.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import re
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from functools import cached_property
+from typing import Any, Iterable, Mapping, Sequence
 
 from ..core import Capabilities, Device, Lease, LeaseState, SchedConfig
 from ..core import fairness
@@ -17,6 +21,9 @@ from ..core.forecast import forecast
 from ..devices.base import DeviceSnapshot
 
 ANOTHER_USER = "another user"
+#: What another user's kernel, and a process of theirs, are called where their names are hidden.
+ANOTHER_KERNEL = "another user's kernel"
+ANOTHER_PROCESS = "another user's process"
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,153 @@ class ViewContext:
     devices: Sequence[Device] = ()
     #: Why each waiting claim stands where it does in the fair queue (``fairness.explain``).
     standing: Mapping[str, str] = field(default_factory=dict)
+    #: Whose each user name, kernel id and process id is (None: made from the fields above).
+    identities: Identities | None = None
+
+    def who_is_who(self) -> Identities:
+        """:attr:`identities`, made from the leases, kernels and processes when not given."""
+        if self.identities is None:
+            self.identities = Identities.of(self.leases, self.kernel_users, self.process_kernels)
+        return self.identities
+
+
+@dataclass(frozen=True)
+class Identities:
+    """Whose each user name, kernel id and GPU process id of the host is: what a view hides.
+
+    ``kernels`` and ``pids`` map to the user they belong to (None: nobody knows whose).
+    """
+
+    users: frozenset[str] = frozenset()
+    kernels: Mapping[str, str | None] = field(default_factory=dict)
+    pids: Mapping[int, str | None] = field(default_factory=dict)
+
+    @classmethod
+    def of(
+        cls,
+        leases: Iterable[Lease] = (),
+        kernel_users: Mapping[str, str] | None = None,
+        process_kernels: Mapping[int, str] | None = None,
+        users: Iterable[str] = (),
+        trees: Mapping[str, Iterable[int]] | None = None,
+    ) -> Identities:
+        """Everyone the host knows of: the leases' users and kernels, the users of kernels
+        (``kernel_users``), the kernel of each GPU process (``process_kernels``) and each kernel's
+        processes (``trees``), and more users (those with recent usage, say)."""
+        kernels: dict[str, str | None] = {}
+        names = {name for name in users if name}
+        for lease in leases:
+            kernels[lease.kernel_id] = lease.user
+            names.add(lease.user)
+        for kernel_id, user in (kernel_users or {}).items():
+            kernels.setdefault(kernel_id, user)
+            if user:
+                names.add(user)
+        pids: dict[int, str | None] = {}
+        for kernel_id, tree in (trees or {}).items():
+            for pid in tree:
+                pids[pid] = kernels.get(kernel_id)
+        for pid, kernel_id in (process_kernels or {}).items():
+            pids[pid] = kernels.get(kernel_id)
+        kernels.pop("", None)
+        return cls(frozenset(names), kernels, pids)
+
+    @cached_property
+    def pattern(self) -> re.Pattern[str]:
+        """Every name and kernel id as a word, every ``pid N`` and ``process N`` (one pass).
+
+        The neutral words come first, so that text shaped once is left as it is: a user named
+        "user" or "another" never turns "another user" into something else.
+        """
+        neutral = "|".join(re.escape(w) for w in (ANOTHER_KERNEL, ANOTHER_PROCESS, ANOTHER_USER))
+        parts = [rf"(?P<neutral>{neutral})"]
+        names = sorted((n for n in self.users if n.strip()), key=len, reverse=True)
+        if names:
+            alternatives = "|".join(re.escape(n) for n in names)
+            # A name as a word: "alice's", "alice." and "(alice)" name her, "alice.b" and
+            # "alice-2" do not; "user alice" is said as one.
+            parts.append(rf"(?:\buser\s+)?(?<![\w@.+-])(?P<name>{alternatives})(?![\w@+-]|\.\w)")
+        kernels = sorted((k for k in self.kernels if k), key=len, reverse=True)
+        if kernels:
+            alternatives = "|".join(re.escape(k) for k in kernels)
+            parts.append(rf"(?:\bkernel\s+)?(?<![\w-])(?P<kernel>{alternatives})(?![\w-])")
+        parts.append(r"\b(?i:pid|process)\s+(?P<pid>\d+)\b")
+        return re.compile("|".join(parts))
+
+
+#: Fields whose strings are ids or fixed words, never free text: never shaped (a user named
+#: "idle" must not turn a lease's state into "another user").
+_FIXED = frozenset(
+    {
+        "id", "lease_id", "lease_ids", "uuid", "parent_uuid", "devices", "state", "mode", "health", "step",
+        "reclaim_step", "kind", "type", "contended_by", "policy", "backend", "mig_profile", "name",
+    }
+)
+
+
+def sees_everyone(viewer: Principal) -> bool:
+    """Whether ``viewer`` sees every user's names, kernels and processes (a hub admin, or
+    ``show_holders``; a single user's server is its user's, who is its admin)."""
+    return viewer.admin or viewer.show_holders
+
+
+def for_viewer(value: Any, viewer: Principal, ctx: ViewContext | Identities | None, owner: str | None = None) -> Any:
+    """``value`` (text, or a JSON value walked through) as ``viewer`` may see it.
+
+    Where ``viewer`` may not see other users (:func:`sees_everyone`), other users' names become
+    "another user", their kernel ids "another user's kernel" and the ids of their processes
+    "another user's process". ``owner``: the user whose record ``value`` is (a lease's, a
+    notice's; None: the host's). In a record of another user, every name, kernel id and process
+    id is hidden, the viewer's own too, so that the record reads the same to everyone it is
+    hidden from; in the viewer's own record and in the host's, only other users'. Strings of
+    ids and fixed words (``_FIXED``) are left as they are.
+    """
+    if sees_everyone(viewer):
+        return value
+    if isinstance(ctx, ViewContext):
+        known = ctx.who_is_who()
+    else:
+        known = ctx or Identities()
+    everyone = owner is not None and owner != viewer.user
+    return _shape(value, viewer.user, known, everyone)
+
+
+def _shape(value: Any, user: str, known: Identities, everyone: bool) -> Any:
+    if isinstance(value, str):
+        return _hide(value, user, known, everyone)
+    if isinstance(value, dict):
+        return {key: item if _fixed(key, item) else _shape(item, user, known, everyone) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_shape(item, user, known, everyone) for item in value]
+    return value
+
+
+def _fixed(key: str, item: Any) -> bool:
+    """Whether ``item`` is an id or a fixed word (or a list of them), never free text."""
+    if key not in _FIXED:
+        return False
+    return isinstance(item, str) or (isinstance(item, list) and all(isinstance(x, str) for x in item))
+
+
+def _hide(text: str, user: str, known: Identities, everyone: bool) -> str:
+    if not text:
+        return text
+
+    def replace(match: re.Match[str]) -> str:
+        if match.group("neutral") is not None:
+            return match.group(0)
+        name = match.groupdict().get("name")
+        if name is not None:
+            return ANOTHER_USER if everyone or name != user else match.group(0)
+        kernel_id = match.groupdict().get("kernel")
+        if kernel_id is not None:
+            return ANOTHER_KERNEL if everyone or known.kernels.get(kernel_id) != user else match.group(0)
+        owner = known.pids.get(int(match.group("pid")), None)
+        # A process nobody knows is hidden in another user's record, kept in one's own.
+        hidden = everyone or (owner is not None and owner != user)
+        return ANOTHER_PROCESS if hidden else match.group(0)
+
+    return known.pattern.sub(replace, text)
 
 
 def iso(ts: float | None) -> str | None:
@@ -93,7 +247,7 @@ def lease_json(
                 "contended_by": found.contended_by,
                 "reason": found.reason,
             }
-    return {
+    out = {
         "id": lease.id,
         "kernel_id": lease.kernel_id if visible else None,
         "user": lease.user if visible else ANOTHER_USER,
@@ -120,6 +274,7 @@ def lease_json(
         "mine": viewer.owns(lease) and not (viewer.admin and lease.user != viewer.user),
         "idle_forecast": idle_forecast,
     }
+    return for_viewer(out, viewer, ctx, owner=lease.user)
 
 
 def waiting_reason(lease: Lease, ctx: ViewContext) -> str:
@@ -144,9 +299,12 @@ def device_json(
     processes = []
     for proc in snap.processes:
         kernel_id = ctx.process_kernels.get(proc.pid)
-        shown = kernel_id if kernel_id and _sees_kernel(viewer, ctx.kernel_users.get(kernel_id)) else None
-        processes.append({"pid": proc.pid, "memory_used": proc.memory_used, "kernel_id": shown})
-    return {
+        user = ctx.kernel_users.get(kernel_id) if kernel_id else None
+        if not (sees_everyone(viewer) or (user is not None and user == viewer.user)):
+            # Another user's process (or one nobody knows whose): not even its pid is shown.
+            continue
+        processes.append({"pid": proc.pid, "memory_used": proc.memory_used, "kernel_id": kernel_id})
+    out = {
         "uuid": snap.uuid,
         "index": snap.index,
         "name": snap.name,
@@ -160,19 +318,15 @@ def device_json(
         "lease_ids": [lease.id for lease in held_by],
         "processes": processes,
     }
-
-
-def _sees_kernel(viewer: Principal, user: str | None) -> bool:
-    """Whether ``viewer`` may see the id of a kernel of ``user`` (None: a user nobody knows)."""
-    return viewer.show_holders or viewer.admin or (user is not None and user == viewer.user)
+    return for_viewer(out, viewer, ctx)
 
 
 def queue_json(queue: Sequence[Lease], viewer: Principal, ctx: ViewContext | None = None) -> list[dict]:
     out = []
+    known = ctx if ctx is not None else Identities.of(queue)
     for position, lease in enumerate(queue, start=1):
         visible = viewer.sees(lease)
-        out.append(
-            {
+        entry = {
                 "lease_id": lease.id,
                 "kernel_id": lease.kernel_id if visible else None,
                 "user": lease.user if visible else ANOTHER_USER,
@@ -181,7 +335,7 @@ def queue_json(queue: Sequence[Lease], viewer: Principal, ctx: ViewContext | Non
                 "waiting_since": iso(lease.queued_at),
                 "reason": (waiting_reason(lease, ctx) if ctx is not None else lease.reason) if visible else "",
             }
-        )
+        out.append(for_viewer(entry, viewer, known, owner=lease.user))
     return out
 
 

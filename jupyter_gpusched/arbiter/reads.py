@@ -10,7 +10,17 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Callable
 
-from ..api.views import Principal, ViewContext, device_json, iso, lease_json, queue_json, usage_json
+from ..api.views import (
+    Identities,
+    Principal,
+    ViewContext,
+    device_json,
+    for_viewer,
+    iso,
+    lease_json,
+    queue_json,
+    usage_json,
+)
 from ..core import Lease
 from ..core.ladder import checkpoint_bytes
 from ..core.fairness import explain
@@ -34,13 +44,17 @@ class LocalReads:
     policy: Any
     backend_name: str
     _find: Callable[[str], Lease]
+    trees: Any
 
     _context_of: tuple = ((), None)
 
     def view_context(self) -> ViewContext:
         """The context of every view, made again only when the arbiter's view of the world changed."""
         state = self.state
-        key = (state.leases, state.queue, state.drained, state.snapshot, state.process_kernels, state.keys)
+        key = (
+            state.leases, state.queue, state.drained, state.snapshot, state.process_kernels, state.keys, state.usage,
+            self.trees,
+        )
         cached_key, ctx = self._context_of
         if ctx is None or len(cached_key) != len(key) or any(a is not b for a, b in zip(cached_key, key)):
             ctx = self._make_context()
@@ -57,14 +71,23 @@ class LocalReads:
         positions = {lid: i for i, lid in enumerate(self.state.queue, start=1)}
         kernel_users = {lease.kernel_id: lease.user for lease in self.state.leases}
         if self.kernels is not None:
-            for kernel_id in set(self.state.process_kernels.values()) - set(kernel_users):
+            for kernel_id in (set(self.state.process_kernels.values()) | set(self.trees)) - set(kernel_users):
                 user = self.kernels.user_of(kernel_id)
                 if user is not None:
                     kernel_users[kernel_id] = user
         by_id = {lease.id: lease for lease in self.state.leases}
         waiting = [by_id[lid] for lid in self.state.queue if lid in by_id]
         standing = explain(waiting, self.state.keys, self.state.recent, self.state.planned_at, self.cfg)
+        # Everyone a text may name: whoever holds or waits, used a GPU lately or runs a kernel.
+        identities = Identities.of(
+            self.state.leases,
+            kernel_users,
+            self.state.process_kernels,
+            users=(subject[5:] for subject in self.state.usage if subject.startswith("user:")),
+            trees=self.trees,
+        )
         return ViewContext(
+            identities=identities,
             standing=standing,
             now=self.clock(),
             positions=positions,
@@ -137,7 +160,9 @@ class LocalReads:
         status["usage"], status["group_usage"] = usage_json(
             self.state.usage, self.state.leases, ctx.devices, self.cfg, viewer, ctx.now
         )
-        return self.policy.status_extras(who, status)
+        # Every field, those added here and by the policy too, as this viewer may see it (the
+        # leases, devices and queue were shaped each as its owner's record already).
+        return for_viewer(self.policy.status_extras(who, status), viewer, ctx)
 
     async def devices(self, who: Principal) -> list[dict]:
         ctx = self.view_context()
