@@ -518,6 +518,151 @@ class PidNamespaces:
         return f"no process runs in PID namespace {ns} (a process cannot name its pid {pid} there)"
 
 
+# -- a process's pod: its namespaces, and the host name of its UTS namespace ----------------------
+
+#: ``ioctl`` requests on a namespace's file (``linux/nsfs.h``): the user namespace that owns it,
+#: and the PID namespace its PID namespace was made in (Linux 4.9).
+NS_GET_USERNS = 0xB701
+NS_GET_PARENT = 0xB702
+CLONE_NEWUTS = 0x04000000
+#: Linux nests PID namespaces 32 deep at most.
+MAX_PID_NESTING = 32
+
+
+def _open_ns(pid: int, kind: str, proc: str = "/proc") -> int:
+    """A file descriptor of process ``pid``'s namespace ``kind`` (``pid``, ``uts``, ``user``, ``mnt``)."""
+    try:
+        return os.open(f"{proc}/{pid}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        if not os.path.exists(f"{proc}/{pid}"):
+            raise ProcessLookupError(f"no process {pid} runs here") from None
+        raise PidNamespaceError(f"{proc}/{pid}/ns/{kind} does not exist: this system does not show namespaces") from None
+    except PermissionError:
+        raise PidNamespaceError(
+            f"cannot read the namespaces of process {pid} (permission denied); the broker reads other "
+            "users' processes as root"
+        ) from None
+    except OSError as exc:
+        raise PidNamespaceError(f"cannot read the namespaces of process {pid}: {exc.strerror or exc}") from None
+
+
+def _own_ns(kind: str) -> int:
+    try:
+        return os.stat(f"/proc/self/ns/{kind}").st_ino
+    except OSError:
+        return 0
+
+
+def pid_namespace_chain(pid: int, proc: str = "/proc") -> list[int]:
+    """The PID namespaces process ``pid`` lives in: its own first, then each one its namespace was
+    made in, up to (not including) this process's own namespace.
+
+    A process of a pod has one entry (the pod's namespace); a process in a PID namespace made
+    inside a pod has two or more, the pod's last. Where the kernel cannot say which namespace
+    another was made in (before Linux 4.9), only its own.
+
+    Raises ProcessLookupError or :class:`PidNamespaceError`, as :func:`pid_namespace` does.
+    """
+    import fcntl
+
+    own = own_pid_namespace()
+    fd = _open_ns(pid, "pid", proc)
+    out: list[int] = []
+    try:
+        for _ in range(MAX_PID_NESTING + 1):
+            inode = os.fstat(fd).st_ino
+            if inode == own:
+                break
+            out.append(inode)
+            try:
+                parent = fcntl.ioctl(fd, NS_GET_PARENT)
+            except OSError:
+                break  # above this process's own namespace (EPERM), or an older kernel (ENOTTY)
+            os.close(fd)
+            fd = parent
+    finally:
+        os.close(fd)
+    return out
+
+
+def _owner_userns(fd: int) -> int | None:
+    import fcntl
+
+    try:
+        owner = fcntl.ioctl(fd, NS_GET_USERNS)
+    except OSError:
+        return None
+    try:
+        return os.fstat(owner).st_ino
+    finally:
+        os.close(owner)
+
+
+def _uts_nodename(fd: int) -> str | None:
+    """The host name of the UTS namespace open as ``fd``, read from a thread that joins it
+    (needs ``CAP_SYS_ADMIN``; None without). The thread ends with it: nothing else changes."""
+    import ctypes
+
+    out: list[str | None] = [None]
+
+    def read() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.setns(fd, CLONE_NEWUTS) == 0:
+            out[0] = os.uname().nodename
+
+    thread = threading.Thread(target=read, name="gpusched-uts", daemon=True)
+    thread.start()
+    thread.join(5.0)
+    return out[0]
+
+
+def pod_name(pid: int, proc: str = "/proc") -> str | None:
+    """The name of the pod (container) process ``pid`` runs in, where the host can tell: the host
+    name of its UTS namespace. None where it shares this process's UTS namespace (no pod of its
+    own), or where its name is not the host's to vouch for.
+
+    Only a name that nobody but the host's privileged users (the container runtime) could have set
+    counts: the process must be in this process's user namespace, and its UTS namespace owned by it
+    (a user who makes a user namespace of their own may name its UTS namespace as they like, and
+    mount any file over ``/etc/hostname``). The name is read by joining the UTS namespace (root with
+    ``CAP_SYS_ADMIN``), else from the pod's ``/etc/hostname`` as the process sees it (the file
+    the kubelet writes, which the process's users cannot change), else not at all.
+    """
+    try:
+        uts = _open_ns(pid, "uts", proc)
+    except (ProcessLookupError, PidNamespaceError):
+        return None
+    try:
+        if os.fstat(uts).st_ino == _own_ns("uts"):
+            return None
+        own_user = _own_ns("user")
+        try:
+            user = os.stat(f"{proc}/{pid}/ns/user").st_ino
+        except OSError:
+            return None
+        if not own_user or user != own_user or _owner_userns(uts) != own_user:
+            return None
+        name = _uts_nodename(uts)
+    finally:
+        os.close(uts)
+    if name is None:
+        try:
+            mnt = _open_ns(pid, "mnt", proc)
+        except (ProcessLookupError, PidNamespaceError):
+            return None
+        try:
+            if _owner_userns(mnt) != own_user:
+                return None
+        finally:
+            os.close(mnt)
+        try:
+            with open(f"{proc}/{pid}/root/etc/hostname", "rb") as f:
+                name = f.read(256).decode("ascii", "replace").strip()
+        except OSError:
+            return None
+    return name or None
+
+
 # -- memory cgroups ------------------------------------------------------------------------------
 #: Where the host's cgroup file systems are mounted (v2: one tree; v1: one per controller).
 CGROUP_ROOT = "/sys/fs/cgroup"

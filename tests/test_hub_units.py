@@ -367,3 +367,51 @@ def test_a_kernel_whose_process_died_but_is_still_listed_is_restarting(kernels, 
     finally:
         new.kill()
         new.wait(10)
+
+
+def test_a_reused_pid_is_not_shown_as_the_kernels_process_between_heartbeats(kernels, servers, gpu):
+    """Each look at a kernel's processes checks their start times: a pid that now belongs to a
+    process started at another time (the kernel's ended and its pid was reused) is not the
+    kernel's, even before the next heartbeat says so."""
+    server = servers()
+    connect(kernels, "s1", "alice", pid=server.pid)
+    assert beat(kernels, "s1", k1={"pid": server.kernel_pid}) == []
+    kernels.process_trees()
+    kernels.activity()
+    assert kernels.kernel_pid("k1") == server.kernel_pid
+    assert kernels.process_tree("k1") == {server.kernel_pid}
+    assert kernels.owner_of(server.kernel_pid)["server_id"] == "s1"
+    # As if the kernel's process had ended and its pid gone to a new process: the pid's process
+    # now started at another time than the one the broker found.
+    kernel = kernels._kernels["k1"]
+    kernel.pid_started -= 60
+    kernel.tree_started = {server.kernel_pid: kernel.pid_started}
+    gpu.add(server.kernel_pid)
+    assert kernels.kernel_pid("k1") is None
+    assert kernels.process_tree("k1") == set()
+    assert kernels.owner_of(server.kernel_pid)["server_id"] == "s1", "still a process under alice's server"
+    assert kernels.process_trees()["k1"] == set(), "no tree walked from a pid that is another process now"
+    clock_now = kernels.clock()
+    kernels.clock = lambda: clock_now + 20  # the server falls silent
+    assert kernels.stranded() == [], "not the kernel's process left behind"
+    # The next heartbeat names the pid again: checked as a new process of the server, it is taken.
+    kernels.clock = lambda: clock_now
+    assert beat(kernels, "s1", k1={"pid": server.kernel_pid}) == []
+    assert kernels.kernel_pid("k1") == server.kernel_pid
+
+
+def test_a_child_of_a_kernel_reused_as_a_pid_is_not_the_kernels(kernels, servers):
+    server = servers()
+    connect(kernels, "s1", "alice", pid=server.pid)
+    beat(kernels, "s1", k1={"pid": server.kernel_pid})
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        kernel = kernels._kernels["k1"]
+        # The tree once held a child whose pid a stranger's process now has (it started later).
+        kernel.tree = frozenset({server.kernel_pid, stranger.pid})
+        kernel.tree_started = {server.kernel_pid: kernel.pid_started, stranger.pid: procs.started(stranger.pid) - 60}
+        assert kernels.process_tree("k1") == {server.kernel_pid}
+        assert kernels.owner_of(stranger.pid)["server_id"] is None
+    finally:
+        stranger.kill()
+        stranger.wait(10)

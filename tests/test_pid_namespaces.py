@@ -262,8 +262,10 @@ def test_a_state_file_of_the_previous_schema_keeps_its_processes(tmp_path):
 
 #: A single-user server stand-in in its own namespace: pid 1 of it, with a "kernel" child.
 SERVER_WITH_KERNEL = """
-import json, os, subprocess, sys
+import json, os, socket, subprocess, sys
 from jupyter_gpusched import procs
+if os.environ.get("POD_HOSTNAME"):
+    socket.sethostname(os.environ["POD_HOSTNAME"])
 kernel = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()  # ROLE=kernel"], stdin=subprocess.PIPE)
 print(json.dumps({"ns": procs.own_pid_namespace(), "pid": os.getpid(), "kernel": kernel.pid}), flush=True)
 sys.stdin.read()
@@ -278,7 +280,7 @@ class Conn:
 
 def test_the_broker_maps_a_servers_pids_from_its_namespace():
     kernels = RemoteKernels("broker", heartbeat_timeout=10)
-    with Namespaced(SERVER_WITH_KERNEL, role="server") as pod:
+    with Namespaced(SERVER_WITH_KERNEL, role="server", hostname="jupyter-alice") as pod:
         ns, pid, kernel_ns_pid = pod.report["ns"], pod.report["pid"], pod.report["kernel"]
         hosts = pod.host_pids()
         assert pid == 1 and kernel_ns_pid != hosts["kernel"]
@@ -502,3 +504,105 @@ def test_a_server_in_a_pod_is_scheduled_by_its_host_pids(tmp_path):
             await setup.close()
 
     run(scenario())
+
+
+# -- the pod a server is in: found by the broker, not taken from the server ---------------------
+
+
+def test_a_servers_pod_is_the_one_its_process_is_in_whatever_it_says(caplog):
+    """A server that reports another pod's name (``X-GPUSched-Host: jupyter-bob``) is shown in its
+    own pod; one in no pod of its own is shown in none, whatever it says."""
+    kernels = RemoteKernels("broker", heartbeat_timeout=10)
+    with Namespaced(SERVER_WITH_KERNEL, role="server", hostname="jupyter-alice") as pod, Namespaced(
+        SERVER_WITH_KERNEL, role="server"
+    ) as bare:
+        host = pod.host_pids()["server"]
+        assert procs.pod_name(host) == "jupyter-alice"
+        with caplog.at_level("WARNING", "jupyter_gpusched.broker"):
+            kernels.connect(
+                "pod-1", "alice", host, Conn(), procs.started(host),
+                pid_ns=pod.report["ns"], ns_pid=1, hostname="jupyter-bob",
+            )
+        assert "says it runs in pod jupyter-bob, but its process" in caplog.text
+        # A PID namespace of its own, but the broker's host name (no UTS namespace of its own).
+        other = bare.host_pids()["server"]
+        assert procs.pod_name(other) is None
+        kernels.connect(
+            "ns-2", "alice", other, Conn(), procs.started(other),
+            pid_ns=bare.report["ns"], ns_pid=1, hostname="jupyter-bob",
+        )
+        pods = {s["server_id"]: s["pod"] for s in kernels.servers()}
+        assert pods == {"pod-1": "jupyter-alice", "ns-2": None}
+        for kernel_pid, server_id, pod_name in (
+            (pod.host_pids()["kernel"], "pod-1", "jupyter-alice"),
+            (bare.host_pids()["kernel"], "ns-2", None),
+        ):
+            assert kernels.owner_of(kernel_pid) == {"server_id": server_id, "user": "alice", "pod": pod_name}
+    # The broker's own host name is no pod.
+    assert procs.pod_name(os.getpid()) is None
+
+
+def test_a_pod_named_from_a_user_namespace_of_its_own_is_not_believed():
+    """A user who makes a user namespace may name its UTS namespace as they like: no pod."""
+    code = SERVER_WITH_KERNEL
+    command = ["unshare", "--user", "--map-root-user", "--uts", "--pid", "--fork", "--kill-child", "--mount-proc"]
+    done = subprocess.run([*command, "true"], capture_output=True, timeout=30)
+    if done.returncode != 0:
+        pytest.skip("no user namespaces here")
+    proc = subprocess.Popen(
+        [*command, sys.executable, "-c", code + "\n# ROLE=server\n"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "POD_HOSTNAME": "jupyter-bob"},
+    )
+    try:
+        assert proc.stdout.readline()
+        (server,) = [c.pid for c in psutil.Process(proc.pid).children(recursive=True) if "ROLE=server" in " ".join(c.cmdline())]
+        assert procs.pod_name(server) is None
+    finally:
+        proc.stdin.close()
+        proc.wait(10)
+        proc.stdout.close()
+
+
+#: A pod whose pid 1 is not the server: it starts the server, and a PID namespace of its own
+#: (``unshare`` again) whose process holds GPU memory, under the pod's pid 1.
+POD_WITH_NESTED_NAMESPACE = """
+import json, os, socket, subprocess, sys
+from jupyter_gpusched import procs
+socket.sethostname(os.environ["POD_HOSTNAME"])
+server = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()  # ROLE=server"], stdin=subprocess.PIPE)
+nested = subprocess.Popen(
+    ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", sys.executable, "-c",
+     "import sys; print('ok', flush=True); sys.stdin.read()  # ROLE=nested"],
+    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+)
+assert nested.stdout.readline().strip() == "ok"
+print(json.dumps({"ns": procs.own_pid_namespace(), "server": server.pid}), flush=True)
+sys.stdin.read()
+server.kill()
+nested.kill()
+"""
+
+
+def test_a_process_in_a_namespace_made_inside_a_pod_is_the_pods():
+    kernels = RemoteKernels("broker", heartbeat_timeout=10)
+    with Namespaced(POD_WITH_NESTED_NAMESPACE, role="init", hostname="jupyter-alice") as pod:
+        hosts = pod.host_pids()
+        server = hosts["server"]
+        # The nested namespace's process (unshare itself, in the pod's namespace, has the same role).
+        (nested,) = [
+            c.pid for c in psutil.Process(pod.proc.pid).children(recursive=True)
+            if "ROLE=nested" in " ".join(c.cmdline()) and len(procs.ns_pids(c.pid)) == 3
+        ]
+        assert pod.report["server"] != 1, "the pod's pid 1 is not the server"
+        chain = procs.pid_namespace_chain(nested)
+        assert len(chain) == 2 and chain[-1] == pod.report["ns"] and chain[0] == procs.pid_namespace(nested)
+        assert procs.pid_namespace_chain(server) == [pod.report["ns"]]
+        assert procs.pid_namespace_chain(os.getpid()) == []
+        kernels.connect(
+            "pod-1", "alice", server, Conn(), procs.started(server),
+            pid_ns=pod.report["ns"], ns_pid=pod.report["server"], hostname="jupyter-alice",
+        )
+        assert server not in procs.ancestors(nested), "not under the server's process"
+        assert kernels.owner_of(nested) == {"server_id": "pod-1", "user": "alice", "pod": "jupyter-alice"}
+        assert kernels.owner_of(hosts["init"]) == {"server_id": "pod-1", "user": "alice", "pod": "jupyter-alice"}

@@ -87,8 +87,10 @@ class RemoteKernel:
     #: The pid its server reported for it, in the server's PID namespace.
     reported_pid: int | None = None
     pid_started: float | None = None
-    #: The kernel's process and its descendants, as the broker found them.
+    #: The kernel's process and its descendants, as the broker found them, and when each started
+    #: (a pid is the same process only while its start time is: checked at every look).
     tree: frozenset[int] = frozenset()
+    tree_started: Mapping[int, float | None] = field(default_factory=dict)
     notebook: str | None = None
     restarting: bool = False
     #: Evidence, in seconds since the epoch: when its processes last used CPU, and a GPU.
@@ -114,7 +116,8 @@ class RemoteServer:
     #: The server's PID namespace when it is not the broker's (a container's), and its pid there.
     pid_ns: int | None = None
     ns_pid: int | None = None
-    #: The host name it reported (in a Kubernetes pod, the pod's name).
+    #: The name of its pod (container), as the broker found it (see :func:`procs.pod_name`); the
+    #: host name a server reports is only checked against it, never believed on its own.
     hostname: str | None = None
     connection: Connection | None = None
     connected_at: float | None = None
@@ -209,6 +212,7 @@ class RemoteKernels:
         max_processes_per_kernel: int = MAX_PIDS,
         max_busy_without_gpu: float = 3 * 3600.0,
         namespaces: procs.PidNamespaces | None = None,
+        pod_name: Callable[[int], str | None] = procs.pod_name,
     ) -> None:
         #: The broker's own id: it owns every lease in its ledger.
         self.server_id = server_id
@@ -225,6 +229,8 @@ class RemoteKernels:
         self.max_busy_without_gpu = max_busy_without_gpu
         #: Maps pids of the servers' PID namespaces to the broker's.
         self.namespaces = namespaces or procs.PidNamespaces()
+        #: The pod a host process runs in, where the host can vouch for its name.
+        self.pod_name = pod_name
         self._servers: dict[str, RemoteServer] = {}
         self._kernels: dict[str, RemoteKernel] = {}
         self._ended: dict[str, tuple[str, float]] = {}
@@ -234,7 +240,7 @@ class RemoteKernels:
         self.lease_user: Callable[[str], str | None] = lambda kernel_id: None
         self._warned: set[str] = set()
         #: The latest sample of process trees and CPU use (taken off the event loop).
-        self._sample: dict[str, tuple[int | None, frozenset[int], int]] = {}
+        self._sample: dict[str, tuple[int | None, dict[int, float | None], int]] = {}
 
     def _warn_once(self, key: str, message: str, *args: Any) -> None:
         if key not in self._warned:
@@ -284,7 +290,9 @@ class RemoteKernels:
 
         ``pid`` is the broker's (host) pid; a server in another PID namespace names it
         ``pid_ns`` and its pid there ``ns_pid`` (see :meth:`server_process`); the kernel pids
-        of its heartbeats are read in that namespace.
+        of its heartbeats are read in that namespace. ``hostname`` is the host name the server
+        reports (in a pod, the pod's name): it is checked against the name of the pod the broker
+        finds the server's process in, and ignored where the broker finds none.
 
         Raises PermissionError if the id is another user's, :class:`TooMany` past the bound on
         servers per user.
@@ -307,7 +315,7 @@ class RemoteKernels:
         if server.pid != pid or server.pid_started != pid_started or server.pid_ns != pid_ns:
             # Another process now speaks for this server id: what the old one reported is void.
             for kernel in server.kernels.values():
-                kernel.pid, kernel.pid_started, kernel.tree = None, None, frozenset()
+                kernel.pid, kernel.pid_started, kernel.tree, kernel.tree_started = None, None, frozenset(), {}
                 kernel.reported_pid = None
         server.connection = connection
         server.connected_at = now
@@ -315,7 +323,7 @@ class RemoteKernels:
         server.pid = pid
         server.pid_started = pid_started if pid is not None else None
         server.pid_ns, server.ns_pid = pid_ns, ns_pid
-        server.hostname = hostname
+        server.hostname = self._checked_pod(server_id, user, pid, pid_ns, hostname)
         if pid_ns is None:
             log.info("server %s of %s connected (pid %s)", server_id, user, pid)
         else:
@@ -324,6 +332,30 @@ class RemoteKernels:
                 server_id, user, pid, ns_pid, pid_ns, hostname or "a container",
             )
         return server
+
+    def _checked_pod(
+        self, server_id: str, user: str, pid: int | None, pid_ns: int | None, claimed: str | None
+    ) -> str | None:
+        """The pod a server runs in: the one the broker finds its process in (None: not in a pod
+        of its own, or none the broker can vouch for), whatever host name it reported."""
+        if pid is None or pid_ns is None:
+            return None
+        try:
+            known = self.pod_name(pid)
+        except Exception:  # noqa: BLE001 - a pod's name is for the admin's view only
+            log.exception("could not read the pod of process %s (server %s of %s)", pid, server_id, user)
+            known = None
+        if claimed is not None and known is not None and claimed != known:
+            log.warning(
+                "server %s of %s says it runs in pod %s, but its process %s is in pod %s; %s is shown",
+                server_id, user, claimed, pid, known, known,
+            )
+        elif claimed is not None and known is None:
+            log.info(
+                "server %s of %s says it runs in pod %s; ignored: the broker cannot tell the pod of its process %s",
+                server_id, user, claimed, pid,
+            )
+        return known
 
     def disconnect(self, server_id: str, connection: Connection) -> None:
         server = self._servers.get(server_id)
@@ -390,7 +422,7 @@ class RemoteKernels:
                 if old is not None:
                     old.kernels.pop(kernel_id, None)
                 kernel.server_id = server_id
-                kernel.pid, kernel.pid_started, kernel.tree = None, None, frozenset()
+                kernel.pid, kernel.pid_started, kernel.tree, kernel.tree_started = None, None, frozenset(), {}
                 kernel.reported_pid = None
             server.kernels[kernel_id] = kernel
             seen.add(kernel_id)
@@ -460,9 +492,11 @@ class RemoteKernels:
                     "server %s of %s: %s", server.server_id, server.user, problem,
                 )
                 pid = None
-        if pid != kernel.pid:
+        if pid != kernel.pid or (pid is not None and not procs.same_process(pid, kernel.pid_started)):
+            # Another process (or the same pid, reused by a new process, checked above as one).
             kernel.pid_started = procs.started(pid) if pid else None
             kernel.tree = frozenset({pid}) if pid else frozenset()
+            kernel.tree_started = {pid: kernel.pid_started} if pid else {}
             # The CPU baseline is read now, not at the next sample: a first cell that runs in
             # between (it often follows the kernel's start at once) would otherwise leave no trace.
             kernel.runtime_ns = procs.runtime_ns([pid]) if pid else None
@@ -566,8 +600,27 @@ class RemoteKernels:
         out = set()
         if kernel.pid is not None and _running(kernel.pid, kernel.pid_started):
             out.add(kernel.pid)
-            out.update(p for p in kernel.tree if p != kernel.pid and _running(p))
+            out.update(
+                p for p in kernel.tree
+                if p != kernel.pid and kernel.tree_started.get(p) is not None and _running(p, kernel.tree_started[p])
+            )
         return out
+
+    @staticmethod
+    def _is_current(kernel: RemoteKernel, pid: int) -> bool:
+        """Whether ``pid`` is still the process of ``kernel`` that the broker found (it runs, and
+        started when that one did: a pid reused since is another process)."""
+        if pid == kernel.pid:
+            started = kernel.pid_started
+        elif pid in kernel.tree:
+            started = kernel.tree_started.get(pid)
+        else:
+            return False
+        return started is not None and procs.same_process(pid, started)
+
+    def _current_pids(self, kernel: RemoteKernel) -> set[int]:
+        """The kernel's processes that are still the ones the broker found (checked now)."""
+        return {p for p in kernel.all_pids() if self._is_current(kernel, p)}
 
     def prune(self) -> None:
         """Forget long-ended kernels, kernels claimed for but never reported, and servers gone.
@@ -626,12 +679,13 @@ class RemoteKernels:
     def owner_of(self, pid: int) -> dict[str, str | None]:
         """The server a host process runs under: ``server_id``, ``user``, ``pod`` (None: unknown).
 
-        A process belongs to a server when it is in one of its kernels' trees, descends from the
-        server's process, or lives in the PID namespace of a server in a namespace of its own (a
-        process of its pod).
+        A process belongs to a server when it is in one of its kernels' trees (and is still the
+        process found there: its start time is checked), descends from the server's process, or
+        lives in the PID namespace of a server in a namespace of its own, or in a namespace made
+        inside that one (a process of its pod).
         """
         for kernel in self._kernels.values():
-            if pid in kernel.all_pids():
+            if pid in kernel.all_pids() and self._is_current(kernel, pid):
                 server = self._servers.get(kernel.server_id)
                 if server is not None:
                     return self._owner_fields(server)
@@ -642,13 +696,17 @@ class RemoteKernels:
                 return self._owner_fields(server)
         pods = [server for server in self._servers.values() if server.pid_ns is not None]
         if pods:
+            # Its own PID namespace, and those it was made in: a namespace made inside a pod
+            # (under any process of it) is still that pod's.
             try:
-                ns = procs.pid_namespace(pid)
+                chain = procs.pid_namespace_chain(pid)
             except (ProcessLookupError, procs.PidNamespaceError):
-                ns = None
-            for server in sorted(pods, key=lambda s: -(s.connected_at or 0.0)):
-                if server.pid_ns == ns:
-                    return self._owner_fields(server)
+                chain = []
+            latest = sorted(pods, key=lambda s: -(s.connected_at or 0.0))
+            for ns in chain:
+                for server in latest:
+                    if server.pid_ns == ns:
+                        return self._owner_fields(server)
         return {"server_id": None, "user": None, "pod": None}
 
     def _owner_fields(self, server: RemoteServer) -> dict[str, str | None]:
@@ -664,7 +722,7 @@ class RemoteKernels:
             if self._silent_for(server, now) <= self.heartbeat_timeout:
                 continue
             for pid in sorted(kernel.all_pids() & on_gpu):
-                if _running(pid):
+                if _running(pid) and self._is_current(kernel, pid):
                     out.append({"pid": pid, "kernel_id": kernel.kernel_id, "user": kernel.user, "server_id": kernel.server_id})
         for item in out:
             key = f"stranded:{item['pid']}"
@@ -691,7 +749,11 @@ class RemoteKernels:
         out = {}
         for kernel in self._kernels.values():
             live = self._connected(self._servers.get(kernel.server_id), now)
-            if any((use.get(p) or 0.0) >= self.utilization_threshold for p in kernel.all_pids() if p in use):
+            if any(
+                (use.get(p) or 0.0) >= self.utilization_threshold
+                for p in kernel.all_pids()
+                if p in use and self._is_current(kernel, p)
+            ):
                 kernel.gpu_seen_at = wall
                 kernel.claimed_since = None
             seen = max(kernel.cpu_seen_at or 0.0, kernel.gpu_seen_at or 0.0) or None
@@ -724,7 +786,8 @@ class RemoteKernels:
             kernel = self._kernels.get(kernel_id)
             if kernel is None or kernel.pid != pid or pid is None:
                 continue
-            kernel.tree = tree
+            kernel.tree = frozenset(tree)
+            kernel.tree_started = tree
             if kernel.runtime_ns is not None and runtime - kernel.runtime_ns >= CPU_EVIDENCE_NS:
                 kernel.cpu_seen_at = wall
             kernel.runtime_ns = runtime
@@ -777,12 +840,16 @@ class RemoteKernels:
         )
 
     def kernel_pid(self, kernel_id: str) -> int | None:
+        """The kernel's process, while that pid is still it (None once it ended or was reused)."""
         kernel = self._kernels.get(kernel_id)
-        return kernel.pid if kernel is not None else None
+        if kernel is None or kernel.pid is None or not self._is_current(kernel, kernel.pid):
+            return None
+        return kernel.pid
 
     def process_tree(self, kernel_id: str) -> set[int]:
+        """The kernel's processes that are still the ones found (each pid's start time checked)."""
         kernel = self._kernels.get(kernel_id)
-        return kernel.all_pids() if kernel is not None else set()
+        return self._current_pids(kernel) if kernel is not None else set()
 
     def process_trees(self) -> dict[str, set[int]]:
         """Every kernel's process tree, found from its checked process (run off the event loop).
@@ -790,11 +857,19 @@ class RemoteKernels:
         The trees and the CPU time of their processes are kept as a sample that the next
         :meth:`activity` folds in.
         """
-        roots = {kid: kernel.pid for kid, kernel in list(self._kernels.items()) if kernel.pid is not None}
-        trees = procs.process_trees(roots, limit=self.max_processes_per_kernel)
-        self._sample = {
-            kid: (roots[kid], frozenset(tree), procs.runtime_ns(tree)) for kid, tree in trees.items()
+        roots = {
+            kid: kernel.pid
+            for kid, kernel in list(self._kernels.items())
+            if kernel.pid is not None and procs.same_process(kernel.pid, kernel.pid_started)
         }
+        trees = procs.process_trees(roots, limit=self.max_processes_per_kernel)
+        sample = {}
+        for kid, tree in trees.items():
+            started = {pid: procs.started(pid) for pid in tree}
+            tree = {pid for pid, at in started.items() if at is not None}
+            trees[kid] = tree
+            sample[kid] = (roots[kid], {pid: started[pid] for pid in tree}, procs.runtime_ns(tree))
+        self._sample = sample
         out: dict[str, set[int]] = {kid: set() for kid in self._kernels}
         out.update(trees)
         return out
