@@ -7,9 +7,11 @@ this module only tells it which node would serve a GPU user best:
 
 - :func:`node_brokers`: where the node brokers are, from a list (``GPUSCHED_NODE_BROKERS``) or,
   in the cluster, from the Kubernetes API (the broker pods of the DaemonSet).
-- :func:`node_summaries`: each node broker's summary (``GET {url}api/gpusched/node``): its GPUs,
-  how many are free, how many idle or borrowed leases hold that the reclaim ladder could take
-  back, and how many claims wait. A broker that does not answer is ``None``, never an error.
+- :func:`node_reports` (and :func:`node_summaries`): each node broker's summary (``GET
+  {url}api/gpusched/node``): its GPUs, how many are free, how many idle or borrowed leases hold
+  that the reclaim ladder could take back, and how many claims wait; checked against the schema
+  (:func:`summary_problem`). A broker that is not asked (:class:`BrokerTrust`), does not answer
+  or is broken has no summary and a reason, never an error.
 - :func:`choose_node`: the best node for a claim of ``count`` GPUs (pure).
 - :func:`prefer_gpu_node`: a KubeSpawner ``modify_pod_hook``: a GPU pod gets a *preferred* node
   affinity for that node (Kubernetes still decides; no broker answer, no preference).
@@ -32,16 +34,31 @@ Environment read here:
     discovery (see :func:`discover_node_brokers`).
 ``GPUSCHED_API_TOKEN``
     the ``gpusched`` service's token, sent to the node brokers.
+``GPUSCHED_BROKER_CA``, ``GPUSCHED_BROKER_CERT``, ``GPUSCHED_BROKER_KEY``, ``GPUSCHED_BROKER_ALLOW_HTTP``
+    how the node brokers are verified before the token goes to them (see :class:`BrokerTrust`).
+``GPUSCHED_BROKER_SCHEME``
+    ``http`` (default) or ``https``: the scheme of the brokers found in the cluster.
+
+Whom the token goes to: only the brokers of the list, or those the Kubernetes API lists (never
+an address a broker's answer names, never through a redirect); over ``https`` only when the
+broker's certificate is verified; over plain ``http`` only to this host's loopback address or to
+hosts the admin allowed (``GPUSCHED_BROKER_ALLOW_HTTP``). Every summary is checked against the
+schema of the OpenAPI document before anything reads it: a broker that answers something else is
+*broken*, shown as such on the admin page and never chosen.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
+import functools
+import ipaddress
 import json
 import logging
 import os
 import re
 import ssl
+import sys
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -58,6 +75,21 @@ ENV_PORT = "GPUSCHED_BROKER_PORT"
 ENV_PREFIX = "GPUSCHED_BROKER_PREFIX"
 ENV_NAMESPACE = "POD_NAMESPACE"
 ENV_TOKEN = "GPUSCHED_API_TOKEN"
+#: Discovery: the scheme of the broker pods' URLs (``http`` or ``https``).
+ENV_SCHEME = "GPUSCHED_BROKER_SCHEME"
+#: The CA file (PEM) that node brokers' certificates must be signed by (https:// brokers).
+ENV_CA = "GPUSCHED_BROKER_CA"
+#: The client certificate and key (PEM) shown to https:// brokers that ask for one (mutual TLS).
+ENV_CLIENT_CERT = "GPUSCHED_BROKER_CERT"
+ENV_CLIENT_KEY = "GPUSCHED_BROKER_KEY"
+#: Hosts besides this host's loopback address that may get the service token over plain http.
+ENV_ALLOW_HTTP = "GPUSCHED_BROKER_ALLOW_HTTP"
+#: What a single-user server verifies an https:// broker with (``GPUSchedApp.broker_ca``'s default).
+ENV_SERVER_CA = "JUPYTER_GPUSCHED_BROKER_CA"
+#: JupyterHub's internal_ssl files, as the hub gives them to its services and servers.
+ENV_HUB_CA = "JUPYTERHUB_SSL_CLIENT_CA"
+ENV_HUB_CERT = "JUPYTERHUB_SSL_CERTFILE"
+ENV_HUB_KEY = "JUPYTERHUB_SSL_KEYFILE"
 #: A single-user server joins the broker at this URL (``GPUSchedApp.broker_url``'s default).
 ENV_BROKER_URL = "JUPYTER_GPUSCHED_BROKER_URL"
 #: The node whose broker :func:`choose_broker` chose, for the server's environment.
@@ -76,6 +108,11 @@ HOSTNAME_LABEL = "kubernetes.io/hostname"
 AFFINITY_WEIGHT = 100
 #: Seconds the Kubernetes API has to list the broker pods.
 DISCOVERY_TIMEOUT = 5.0
+#: The largest node summary read (bytes); a broker that sends more is broken.
+MAX_SUMMARY_BYTES = 1 << 20
+#: Bounds the schema puts on a summary's strings and lists, where the OpenAPI document sets none.
+MAX_STRING = 1024
+MAX_ITEMS = 4096
 
 #: A Kubernetes node name (a DNS subdomain), or a host name.
 _NODE_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,251}[A-Za-z0-9])?$")
@@ -168,8 +205,9 @@ def discover_node_brokers(service_account_dir: str | None = None) -> list[NodeBr
     The pods that match the label selector ``GPUSCHED_BROKER_SELECTOR`` (default
     ``app.kubernetes.io/name=gpusched-broker``) in the namespace ``POD_NAMESPACE`` (default: the
     service account's), running and not being deleted, one per node (the newest): named by
-    ``spec.nodeName``, at ``http://{status.hostIP}:{GPUSCHED_BROKER_PORT}{GPUSCHED_BROKER_PREFIX}``
-    (defaults 8765 and ``/services/gpusched/``). The service account must be allowed to list pods
+    ``spec.nodeName``, at
+    ``{GPUSCHED_BROKER_SCHEME}://{status.hostIP}:{GPUSCHED_BROKER_PORT}{GPUSCHED_BROKER_PREFIX}``
+    (defaults http, 8765 and ``/services/gpusched/``). The service account must be allowed to list pods
     in that namespace. Sorted by node name. ``service_account_dir``: where the service account's
     token, CA certificate and namespace are (default: where Kubernetes mounts them).
     """
@@ -180,6 +218,9 @@ def discover_node_brokers(service_account_dir: str | None = None) -> list[NodeBr
     port = _env_port()
     prefix = "/" + os.environ.get(ENV_PREFIX, DEFAULT_PREFIX).strip("/") + "/"
     prefix = prefix.replace("//", "/")
+    scheme = os.environ.get(ENV_SCHEME, "").strip().lower() or "http"
+    if scheme not in ("http", "https"):
+        raise DiscoveryError(f"{ENV_SCHEME}={scheme!r} is neither http nor https")
     selector = os.environ.get(ENV_SELECTOR, "").strip() or DEFAULT_SELECTOR
     account = os.path.abspath(service_account_dir or SERVICE_ACCOUNT_DIR)
     try:
@@ -205,10 +246,10 @@ def discover_node_brokers(service_account_dir: str | None = None) -> list[NodeBr
     except (urllib.error.URLError, OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
         raise DiscoveryError(f"cannot list the broker pods from the Kubernetes API at {api}: {reason}") from None
-    return _brokers_of_pods(data, port, prefix)
+    return _brokers_of_pods(data, port, prefix, scheme)
 
 
-def _brokers_of_pods(data: Any, port: int, prefix: str) -> list[NodeBroker]:
+def _brokers_of_pods(data: Any, port: int, prefix: str, scheme: str = "http") -> list[NodeBroker]:
     items = data.get("items") if isinstance(data, dict) else None
     if not isinstance(items, list):
         raise DiscoveryError("the Kubernetes API answered something that is not a pod list")
@@ -223,7 +264,7 @@ def _brokers_of_pods(data: Any, port: int, prefix: str) -> list[NodeBroker]:
         if not isinstance(node, str) or not _NODE_NAME.match(node) or not isinstance(host_ip, str):
             continue
         created = str(meta.get("creationTimestamp") or "")
-        broker = NodeBroker(node, f"http://{_bracket(host_ip)}:{port}{prefix}")
+        broker = NodeBroker(node, f"{scheme}://{_bracket(host_ip)}:{port}{prefix}")
         if node not in newest or created > newest[node][0]:
             newest[node] = (created, broker)
     return [newest[name][1] for name in sorted(newest)]
@@ -251,83 +292,364 @@ def _read(path: str) -> str:
         return f.read().strip()
 
 
+# -- whom the service token may go to -----------------------------------------------------------
+#: What asking a node broker gave (:class:`NodeReport`'s ``state``).
+OK = "ok"
+NOT_ANSWERING = "not answering"
+BROKEN = "broken"
+NOT_ASKED = "not asked"
+
+
+@dataclass(frozen=True)
+class BrokerTrust:
+    """What a node broker must show before the ``gpusched`` service's token goes to it.
+
+    The brokers asked are only those of the admin's list or of the Kubernetes API's pod list
+    (:func:`node_brokers`); this says how each is reached. Over ``https`` the broker's certificate
+    must be verified (host name included) before anything is sent; over plain ``http`` the token
+    goes only to this host's loopback address (as JupyterHub itself talks to its local services)
+    or to the hosts the admin allowed.
+
+    Attributes:
+        ca_file: the CA file (PEM) that an https:// broker's certificate must be signed by; empty:
+            the system's trusted CAs.
+        cert_file: a client certificate (PEM) shown to brokers that ask for one (JupyterHub's
+            ``internal_ssl`` services do); empty: none. ``key_file`` is its key.
+        allow_http: hosts besides the loopback address that may get the token over plain http:
+            host names, IP addresses, IP networks (``10.0.0.0/8``), or ``*`` for every host.
+    """
+
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+    allow_http: tuple[str, ...] = ()
+
+    @classmethod
+    def from_environment(cls) -> BrokerTrust:
+        """The trust this process is configured with.
+
+        ``GPUSCHED_BROKER_CA``, else JupyterHub's internal_ssl CA (``JUPYTERHUB_SSL_CLIENT_CA`` in a
+        service, the hub's own trust bundle in the hub process when ``internal_ssl`` is on);
+        ``GPUSCHED_BROKER_CERT`` and ``GPUSCHED_BROKER_KEY``, else internal_ssl's
+        (``JUPYTERHUB_SSL_CERTFILE``, ``JUPYTERHUB_SSL_KEYFILE``, or the hub's); and
+        ``GPUSCHED_BROKER_ALLOW_HTTP`` (comma-separated).
+
+        Raises:
+            ValueError: a file that is not there, a certificate without its key, a bad host entry.
+        """
+        hub = _hub_internal_ssl()
+        ca = _env(ENV_CA) or _env(ENV_HUB_CA) or (hub[0] if hub else "")
+        cert, key = _env(ENV_CLIENT_CERT), _env(ENV_CLIENT_KEY)
+        if not (cert or key):
+            cert, key = _env(ENV_HUB_CERT), _env(ENV_HUB_KEY)
+        if not (cert or key) and hub:
+            cert, key = hub[1], hub[2]
+        if bool(cert) != bool(key):
+            raise ValueError(f"{ENV_CLIENT_CERT} and {ENV_CLIENT_KEY} go together: set both or neither")
+        for what, path in (("CA file", ca), ("client certificate", cert), ("client key", key)):
+            if path and not os.path.isfile(path):
+                raise ValueError(f"the node brokers' {what} {path} is not a file")
+        return cls(ca, cert, key, parse_allow_http(_env(ENV_ALLOW_HTTP)))
+
+    def refusal(self, url: str) -> str | None:
+        """Why the token must not go to ``url`` at all (None: it may, once its certificate is checked)."""
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme == "https":
+            return None
+        host = (parts.hostname or "").lower()
+        if parts.scheme != "http" or not host:
+            return f"{url!r} is not an http(s):// URL"
+        if _is_loopback(host) or self.allows_http(host):
+            return None
+        return (
+            f"plain http to {host}, which is not this host's loopback address: the service token is not sent "
+            f"there (give the broker an https:// URL, or allow the host in {ENV_ALLOW_HTTP})"
+        )
+
+    def allows_http(self, host: str) -> bool:
+        """Whether the admin allowed plain http to ``host``."""
+        try:
+            address = ipaddress.ip_address(host)
+        except ValueError:
+            address = None
+        for entry in self.allow_http:
+            if entry == "*" or entry == host.lower():
+                return True
+            if address is not None and "/" in entry:
+                network = ipaddress.ip_network(entry)
+                if address.version == network.version and address in network:
+                    return True
+        return False
+
+    def tls_options(self) -> dict[str, Any]:
+        """The request options that verify an https:// broker (both tornado HTTP clients read them)."""
+        return {
+            "validate_cert": True,
+            "ca_certs": self.ca_file or None,
+            "client_cert": self.cert_file or None,
+            "client_key": self.key_file or None,
+        }
+
+
+def parse_allow_http(spec: str, what: str = ENV_ALLOW_HTTP) -> tuple[str, ...]:
+    """``host,10.0.0.0/8,*`` as :attr:`BrokerTrust.allow_http` (networks normalised); ``ValueError``
+    naming a bad entry."""
+    out: list[str] = []
+    for entry in (part.strip().lower() for part in re.split(r"[,\s]+", spec or "")):
+        if not entry:
+            continue
+        if entry == "*":
+            out.append(entry)
+            continue
+        try:
+            out.append(str(ipaddress.ip_network(entry.strip("[]"), strict=False)))
+            continue
+        except ValueError:
+            pass
+        if not _NODE_NAME.match(entry):
+            raise ValueError(f"{what}: {entry!r} is not a host name, an IP address or network, or *")
+        out.append(entry)
+    return tuple(out)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _env(name: str) -> str:
+    return os.environ.get(name, "").strip()
+
+
+def _hub_internal_ssl() -> tuple[str, str, str] | None:
+    """In the hub process with ``internal_ssl`` on: its trust bundle, certificate and key."""
+    app_module = sys.modules.get("jupyterhub.app")  # never imported here: only if the hub runs
+    hub_class = getattr(app_module, "JupyterHub", None)
+    try:
+        if hub_class is None or not hub_class.initialized():
+            return None
+        hub = hub_class.instance()
+        if not hub.internal_ssl:
+            return None
+        return str(hub.internal_ssl_ca or ""), str(hub.internal_ssl_cert or ""), str(hub.internal_ssl_key or "")
+    except Exception:  # noqa: BLE001 - a hub of another version: the environment alone decides
+        return None
+
+
+# -- is it a node summary -----------------------------------------------------------------------
+def summary_problem(data: Any) -> str | None:
+    """Why ``data`` is not a node summary (None: it is one).
+
+    The schema is the OpenAPI document's (``GET api/gpusched/node``), with bounds on strings and
+    lists; then the counts must be counts and agree (free and reclaimable GPUs among the
+    schedulable ones, those among the devices listed). Fields a newer broker adds are allowed.
+    """
+    from jsonschema.exceptions import best_match
+
+    error = best_match(_summary_validator().iter_errors(data))
+    if error is not None:
+        message, shown = error.message, repr(error.instance)
+        if len(shown) > 60 and message.startswith(shown):  # the value itself may be huge
+            message = _short(shown, 60) + message[len(shown):]
+        where = "/".join(str(part) for part in error.absolute_path)
+        return _short(f"{where}: {message}" if where else message)
+    return _count_problem(data)
+
+
+def _count_problem(summary: Mapping) -> str | None:
+    for key in _SUMMARY_COUNTS + _NEWER_COUNTS:
+        value = summary.get(key)
+        if value is None and key in _NEWER_COUNTS:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            return f"{key} is not a count"
+    gpus, free, reclaimable = summary["gpus"], summary["free"], summary["reclaimable"]
+    if free + reclaimable > gpus:
+        return f"{free} free and {reclaimable} reclaimable GPUs of {gpus}"
+    devices = summary.get("devices")
+    if isinstance(devices, list) and gpus > len(devices):
+        return f"{gpus} GPUs, but {len(devices)} listed"
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _summary_validator() -> Any:
+    from jsonschema import Draft202012Validator
+
+    from .api.openapi import NODE_SUMMARY
+
+    schema = _bounded(copy.deepcopy(NODE_SUMMARY))
+    Draft202012Validator.check_schema(schema)
+    return Draft202012Validator(schema)
+
+
+def _bounded(schema: dict) -> dict:
+    """``schema`` with a length limit on every string and list that has none."""
+    kinds = schema.get("type")
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    if "string" in kinds:
+        schema.setdefault("maxLength", MAX_STRING)
+    if "array" in kinds:
+        schema.setdefault("maxItems", MAX_ITEMS)
+    for sub in (schema.get("properties") or {}).values():
+        _bounded(sub)
+    if isinstance(schema.get("items"), dict):
+        _bounded(schema["items"])
+    return schema
+
+
+def _short(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 # -- what each node broker says -----------------------------------------------------------------
-#: Node brokers that did not answer last time (URL -> why), so that each is logged once.
-_not_answering: dict[str, str] = {}
+@dataclass(frozen=True)
+class NodeReport:
+    """What asking one node broker gave: its summary, checked, or why there is none.
+
+    ``state``: ``ok``; ``not answering`` (no connection, no answer in time, or an HTTP error,
+    such as 403 for a token it does not take); ``broken`` (it answered, but not as a node broker
+    does: its certificate is not verified, or its answer is not a node summary); ``not asked``
+    (the token may not go there: plain http to another host that the admin did not allow, or the
+    trust settings are wrong). ``problem`` says why, for the log and the admin page.
+    """
+
+    summary: dict | None
+    state: str = OK
+    problem: str = ""
+
+
+#: The last report of each node broker (by URL), so that each change is logged once.
+_reports: dict[str, NodeReport] = {}
+
+
+def last_report(url: str) -> NodeReport | None:
+    """The last report of the node broker at ``url`` in this process (None: never asked)."""
+    return _reports.get(url)
+
+
+async def node_reports(
+    brokers: Iterable[NodeBroker], token: str, timeout: float = 2.0, trust: BrokerTrust | None = None
+) -> dict[str, NodeReport]:
+    """Each node broker's summary (``GET {url}api/gpusched/node``), asked all at once, or why not.
+
+    ``token`` is the ``gpusched`` service's token (``Authorization: token ...``), sent only where
+    ``trust`` (default: :meth:`BrokerTrust.from_environment`) lets it go. Never raises: a broker
+    that is not asked, does not answer within ``timeout`` seconds, or answers something else than
+    a summary has a report saying so, logged when it changes (a warning, then an info line once
+    the broker answers again).
+    """
+    brokers = list(brokers)
+    try:
+        trust = BrokerTrust.from_environment() if trust is None else trust
+    except ValueError as exc:
+        reports = [NodeReport(None, NOT_ASKED, str(exc)) for _ in brokers]
+    else:
+        client = AsyncHTTPClient()
+        reports = list(await asyncio.gather(*(_report_of(client, b, token, timeout, trust) for b in brokers)))
+    for broker, report in zip(brokers, reports):
+        _remember(broker, report)
+    return {broker.name: report for broker, report in zip(brokers, reports)}
 
 
 async def node_summaries(
-    brokers: Iterable[NodeBroker], token: str, timeout: float = 2.0
+    brokers: Iterable[NodeBroker], token: str, timeout: float = 2.0, trust: BrokerTrust | None = None
 ) -> dict[str, dict | None]:
-    """Each node broker's summary (``GET {url}api/gpusched/node``), asked all at once.
-
-    ``token`` is the ``gpusched`` service's token (``Authorization: token ...``). A broker that
-    does not answer within ``timeout`` seconds, refuses or answers something else than a summary
-    is ``None``; it is logged (a warning when it stops answering, then once again when it is
-    back), never raised.
-    """
-    brokers = list(brokers)
-    client = AsyncHTTPClient()
-    answers = await asyncio.gather(*(_summary_of(client, b, token, timeout) for b in brokers))
-    return {broker.name: answer for broker, answer in zip(brokers, answers)}
+    """Each node broker's checked summary, None where there is none (:func:`node_reports` says why)."""
+    reports = await node_reports(brokers, token, timeout, trust)
+    return {name: report.summary for name, report in reports.items()}
 
 
-async def _summary_of(client: AsyncHTTPClient, broker: NodeBroker, token: str, timeout: float) -> dict | None:
+class _TooLarge(Exception):
+    pass
+
+
+async def _report_of(
+    client: AsyncHTTPClient, broker: NodeBroker, token: str, timeout: float, trust: BrokerTrust
+) -> NodeReport:
+    refusal = trust.refusal(broker.url)
+    if refusal:
+        return NodeReport(None, NOT_ASKED, refusal)
+    chunks: list[bytes] = []
+    size = 0
+
+    def collect(chunk: bytes) -> None:
+        nonlocal size
+        size += len(chunk)
+        if size > MAX_SUMMARY_BYTES:
+            raise _TooLarge()
+        chunks.append(chunk)
+
     request = HTTPRequest(
         broker.url + NODE_PATH,
         headers={"Authorization": f"token {token}", "Accept": "application/json"},
         connect_timeout=timeout,
         request_timeout=timeout,
         follow_redirects=False,
+        streaming_callback=collect,
+        **trust.tls_options(),
     )
-    why = ""
-    summary = None
+    too_large = NodeReport(None, BROKEN, f"it sent more than {MAX_SUMMARY_BYTES} bytes")
     try:
         response = await client.fetch(request, raise_error=False)
+    except ssl.SSLError as exc:
+        return NodeReport(None, BROKEN, _tls_problem(exc, trust))
     except Exception as exc:  # noqa: BLE001 - a broker that cannot be reached is only "not answering"
-        why = str(exc) or type(exc).__name__
-    else:
-        if response.code == 599:
-            why = str(response.error or "no answer")
-        elif response.code != 200:
-            why = f"HTTP {response.code}: {_message(response.body)}"
-        else:
-            try:
-                summary = _checked_summary(json.loads(response.body))
-            except ValueError as exc:
-                why = f"not a node summary: {exc}"
-    if summary is None:
-        if _not_answering.get(broker.url) != why:
-            log.warning("GPU broker of node %s (%s) is not answering: %s", broker.name, broker.url, why)
-        _not_answering[broker.url] = why
-        return None
-    if _not_answering.pop(broker.url, None) is not None:
+        if size > MAX_SUMMARY_BYTES:
+            return too_large
+        return NodeReport(None, NOT_ANSWERING, str(exc) or type(exc).__name__)
+    if size > MAX_SUMMARY_BYTES:
+        return too_large
+    body = b"".join(chunks)
+    if response.code == 599:
+        error = response.error
+        if isinstance(error, ssl.SSLError) or "certificate" in str(error).lower():
+            return NodeReport(None, BROKEN, _tls_problem(error, trust))
+        return NodeReport(None, NOT_ANSWERING, str(error or "no answer"))
+    if response.code != 200:
+        return NodeReport(None, NOT_ANSWERING, f"HTTP {response.code}: {_message(body)}")
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return NodeReport(None, BROKEN, "its answer is not JSON")
+    problem = summary_problem(data)
+    if problem:
+        return NodeReport(None, BROKEN, f"not a node summary: {problem}")
+    return NodeReport(data)
+
+
+def _tls_problem(exc: Any, trust: BrokerTrust) -> str:
+    by = f"the CA file {trust.ca_file}" if trust.ca_file else "the system's trusted CAs"
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        why = exc.verify_message or exc.reason or str(exc)
+        return f"its certificate is not verified by {by} ({why}); the service token was not sent"
+    why = getattr(exc, "reason", None) or str(exc) or type(exc).__name__
+    return f"TLS failed ({why}; certificates checked with {by}); the service token was not sent"
+
+
+def _remember(broker: NodeBroker, report: NodeReport) -> None:
+    before = _reports.get(broker.url)
+    _reports[broker.url] = report
+    if report.state != OK:
+        if before is None or (before.state, before.problem) != (report.state, report.problem):
+            log.warning("GPU broker of node %s (%s) is %s: %s", broker.name, broker.url, report.state, report.problem)
+        return
+    if before is not None and before.state != OK:
         log.info("GPU broker of node %s (%s) answers again", broker.name, broker.url)
-    if summary["node"] != broker.name:
-        log.debug("GPU broker at %s calls its node %r, listed as %r", broker.url, summary["node"], broker.name)
-    return summary
+    if report.summary is not None and report.summary.get("node") != broker.name:
+        log.debug("GPU broker at %s calls its node %r, listed as %r", broker.url, report.summary.get("node"), broker.name)
 
 
 def _message(body: bytes | None) -> str:
     try:
         data = json.loads(body or b"")
-        return str(data.get("message"))[:200]
+        return _short(str(data.get("message")), 200)
     except (ValueError, AttributeError):
-        return (body or b"").decode("utf-8", "replace")[:200] or "no message"
-
-
-def _checked_summary(data: Any) -> dict:
-    if not isinstance(data, dict):
-        raise ValueError("not a JSON object")
-    if not isinstance(data.get("node"), str):
-        raise ValueError("no node name")
-    for key in _SUMMARY_COUNTS + _NEWER_COUNTS:
-        value = data.get(key)
-        if value is None and key in _NEWER_COUNTS:
-            continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{key} is not a count")
-    return data
+        return _short((body or b"").decode("utf-8", "replace"), 200) or "no message"
 
 
 # -- which node --------------------------------------------------------------------------------
@@ -343,13 +665,14 @@ def choose_node(summaries: Mapping[str, dict | None], count: int = 1) -> str | N
     holds the claim; then the fewest servers (as Kubernetes spreads pods that ask for the same);
     the most room; the most free GPUs; and the node name, for ties. None when no broker answered
     or no node has ``count`` GPUs. A broker too old to report ``pending_gpus`` counts one GPU per
-    waiting claim, and servers as none.
+    waiting claim, and servers as none. A summary whose counts are not counts, or do not add up
+    (more free GPUs than GPUs), is a broken node's and never chosen.
     """
     if count < 1:
         raise ValueError(f"count must be at least 1, not {count}")
     best: tuple | None = None
     for name, summary in summaries.items():
-        if not summary:
+        if not summary or not isinstance(summary, Mapping) or _count_problem(summary):
             continue
 
         def number(key: str, default: int = 0) -> int:
@@ -374,6 +697,7 @@ async def _best_broker(count: int, logger: logging.Logger, who: str) -> tuple[No
         logger.warning("GPU node for %s: %s is not set (the gpusched service's token); no node preferred", who, ENV_TOKEN)
         return None
     try:
+        trust = BrokerTrust.from_environment()
         brokers = await asyncio.to_thread(node_brokers)
     except (ValueError, DiscoveryError) as exc:
         logger.warning("GPU node for %s: %s; no node preferred", who, exc)
@@ -384,12 +708,22 @@ async def _best_broker(count: int, logger: logging.Logger, who: str) -> tuple[No
             who, ENV_NODE_BROKERS,
         )
         return None
-    summaries = await node_summaries(brokers, token)
+    reports = await node_reports(brokers, token, trust=trust)
+    # Only a broker that was verified and answered a well-formed summary can be chosen.
+    summaries = {name: report.summary for name, report in reports.items() if report.state == OK}
     node = choose_node(summaries, count)
     if node is None:
         answered = sum(1 for s in summaries.values() if s)
+        states: dict[str, int] = {}
+        for report in reports.values():
+            if report.state != OK:
+                states[report.state] = states.get(report.state, 0) + 1
+        others = ", ".join(f"{n} {state}" for state, n in sorted(states.items()))
         why = f"none of the {answered} that answered has {count} GPU(s)" if answered else "none answered"
-        logger.info("GPU node for %s: none preferred (%d node broker(s) asked, %s)", who, len(brokers), why)
+        logger.info(
+            "GPU node for %s: none preferred (%d node broker(s), %s%s)", who, len(brokers), why,
+            f"; {others}" if others else "",
+        )
         return None
     broker = next(b for b in brokers if b.name == node)
     summary = summaries[node] or {}
@@ -508,8 +842,11 @@ async def choose_broker(spawner: Any) -> None:
 
     Sets ``JUPYTER_GPUSCHED_BROKER_URL`` (what a single-user server reads to join a broker) to the
     broker :func:`choose_node` picks for the GPUs ``JUPYTER_GPUSCHED_GPUS`` in the spawner's
-    environment asks (default 1), and ``GPUSCHED_NODE`` to its node's name. When no broker
-    answers, the environment stays as configured; a spawn never fails here.
+    environment asks (default 1), and ``GPUSCHED_NODE`` to its node's name. Only a listed broker
+    that the trust rules let the token go to and that answered a well-formed summary is chosen
+    (:class:`BrokerTrust`); for an https:// broker, ``JUPYTER_GPUSCHED_BROKER_CA`` is set to
+    ``GPUSCHED_BROKER_CA`` where that is set and the environment names no CA of its own. When no
+    broker answers, the environment stays as configured; a spawn never fails here.
 
     ``c.Spawner.pre_spawn_hook = jupyter_gpusched.kubernetes.choose_broker``
     """
@@ -521,7 +858,12 @@ async def choose_broker(spawner: Any) -> None:
         best = await _best_broker(count, logger, who)
         if best is not None:
             broker = best[0]
+            chosen = {ENV_BROKER_URL: broker.url, ENV_NODE: broker.name}
+            # The server verifies an https:// broker with the CA the hub verified it with, unless
+            # its environment names one of its own.
+            if broker.url.startswith("https://") and _env(ENV_CA) and ENV_SERVER_CA not in environment:
+                chosen[ENV_SERVER_CA] = _env(ENV_CA)
             # A new dict: the configured one may be shared with other spawners.
-            spawner.environment = {**environment, ENV_BROKER_URL: broker.url, ENV_NODE: broker.name}
+            spawner.environment = {**environment, **chosen}
     except Exception:  # noqa: BLE001 - as above
         logger.exception("GPU node for %s: could not choose one; the server's environment is left as it is", who)

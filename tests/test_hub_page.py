@@ -90,6 +90,7 @@ class Site:
         self.broker = RecordingBroker()
         hub_auth = StubHubOAuth(api_token="not-used", base_url=PREFIX, access_scopes={SCOPE}, login_url="")
         app = SimpleNamespace(broker=self.broker, hub_auth=hub_auth, prefix=PREFIX, show_holders=True)
+        self.app = app
         kw = {"app": app}
         self.web_app = web.Application(
             [
@@ -335,5 +336,59 @@ def test_the_page_shows_each_users_recent_usage_and_why_a_claim_waits_where_it_d
             # A broker that does not track usage shows no such section.
             site.broker.extra["config"] = {"usage_half_life": 0}
             assert "Recent usage" not in (await site.fetch("")).body.decode()
+
+    run(scenario())
+
+
+def test_a_node_that_is_broken_or_not_asked_is_named_so_and_the_page_still_answers(monkeypatch):
+    """Whatever the cluster view hands the page (a summary nobody checked, none with a reason,
+    none at all), the admin page answers 200 and says what is wrong with each node."""
+    from jupyter_gpusched import kubernetes
+
+    device = {"index": 0, "uuid": "GPU-a-0", "name": "Simulated H100 80GB", "memory_total": 80 * 2**30,
+              "health": "ok", "state": "free", "users": []}
+    good = {
+        "node": "node-a", "time": "2025-01-01T00:00:00Z", "policy": "hybrid", "backend": "simulated", "gpus": 1,
+        "free": 1, "reclaimable": 0, "pending": 0, "leases": 0, "devices": [device], "queue": [],
+    }
+    silent = "http://127.0.0.1:9/services/gpusched/"
+    monkeypatch.setitem(
+        kubernetes._reports, silent, kubernetes.NodeReport(None, kubernetes.BROKEN, "its answer is not JSON")
+    )
+    nodes = [
+        {"name": "node-a", "url": None, "this": True, "summary": good},
+        {"name": "node-b", "url": "http://10.0.0.2:8765/services/gpusched/", "this": False,
+         "summary": {**good, "node": "node-b", "devices": [1]}},
+        {"name": "node-c", "url": "http://10.0.0.3:8765/services/gpusched/", "this": False, "summary": None,
+         "state": "not asked", "problem": "plain http to 10.0.0.3, which is not this host's loopback address"},
+        {"name": "node-d", "url": silent, "this": False, "summary": None},
+        {"name": "node-e", "url": "http://127.0.0.1:10/services/gpusched/", "this": False, "summary": None},
+        {"name": "node-f", "url": "http://127.0.0.1:11/services/gpusched/", "this": False, "summary": None,
+         "state": "not answering", "problem": "HTTP 500: <script>alert(1)</script>"},
+    ]
+
+    async def cluster():
+        return {"nodes": nodes, "error": None}
+
+    async def scenario():
+        async with Site() as site:
+            site.app.cluster = cluster
+            r = await site.fetch("")
+            assert r.code == 200, r.body
+            text = r.body.decode()
+            rows = {m.group(1): m.group(2) for m in re.finditer(r"<tr><td>(node-\w)(?: <span[^<]*</span>)?(?:<br><code[^<]*</code>)?</td>(.*?)</tr>", text)}
+            assert rows["node-a"].startswith("<td>1</td><td>1</td>")
+            assert rows["node-b"] == "<td colspan='5' class='warn'>broken: not a node summary: devices/0: 1 is not of type &#x27;object&#x27;</td>"
+            assert rows["node-c"] == (
+                "<td colspan='5' class='warn'>not asked: plain http to 10.0.0.3, which is not this host&#x27;s loopback address</td>"
+            )
+            assert rows["node-d"] == "<td colspan='5' class='warn'>broken: its answer is not JSON</td>"
+            assert rows["node-e"] == "<td colspan='5' class='warn'>not answering</td>"
+            assert rows["node-f"] == (
+                "<td colspan='5' class='warn'>not answering: HTTP 500: &lt;script&gt;alert(1)&lt;/script&gt;</td>"
+            )
+            assert "<h3>node-a</h3>" in text and "<h3>node-b</h3>" not in text and "<script>" not in text
+            # A user who is no admin sees no nodes at all.
+            assert "<h2>Nodes</h2>" not in (await site.fetch("", token="tok-alice")).body.decode()
 
     run(scenario())

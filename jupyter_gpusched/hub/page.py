@@ -8,7 +8,9 @@ them: their own leases in full, others' as held by "another user".
 
 Beyond one host (one broker per GPU node), a hub admin also sees the cluster view ("Nodes"):
 this node and every other node broker (``GPUBroker.node_brokers``), each with its GPUs, leases
-and queue as its node summary says; a node whose broker does not answer is listed as such.
+and queue as its node summary says; a node whose broker does not answer, is not asked (the token
+may not go there) or is broken (a summary that fails the schema, a certificate not verified) is
+listed as such, with the reason: another node never makes this page fail.
 
 Every button that changes something (drain, undrain, release) leads to a confirmation page first
 (no JavaScript needed): the change is made only by a POST that carries the page's XSRF token and
@@ -19,6 +21,7 @@ cannot be stolen through an invisible frame.
 from __future__ import annotations
 
 import html
+import logging
 from typing import Any
 
 from jupyterhub.services.auth import HubOAuthCallbackHandler, HubOAuthenticated, UserNotAllowed
@@ -26,8 +29,11 @@ from tornado import web
 
 from ..core import format_bytes
 from ..core.fairness import half_life_text
+from .. import kubernetes
 from ..api.input import http_error
 from ..api.views import Principal
+
+log = logging.getLogger("jupyter_gpusched.hub.page")
 
 REFRESH_SECONDS = 5
 #: The pages have no script and load nothing; only their inline style is allowed.
@@ -153,18 +159,28 @@ class PageHandler(PageBase):
         """The cluster view: one row per node, then each node's GPUs and queue."""
         rows, details = [], []
         for node in cluster.get("nodes", []):
+            if not isinstance(node, dict):
+                continue
             name = _e(node.get("name")) + (" <span class='muted'>(this node)</span>" if node.get("this") else "")
-            where = f"<br><code class='muted'>{_e(node['url'])}</code>" if node.get("url") else ""
-            summary = node.get("summary")
-            if summary is None:
-                rows.append(f"<tr><td>{name}{where}</td><td colspan='5' class='warn'>not answering</td></tr>")
+            where = f"<br><code class='muted'>{_e(node.get('url'))}</code>" if node.get("url") else ""
+            state, why = self._node_state(node)
+            if state != kubernetes.OK:
+                because = f": {_e(why)}" if why else ""
+                rows.append(f"<tr><td>{name}{where}</td><td colspan='5' class='warn'>{_e(state)}{because}</td></tr>")
+                continue
+            summary = node["summary"]
+            try:
+                detail = self._node_detail(node.get("name"), summary)
+            except Exception:  # noqa: BLE001 - one node that cannot be shown must not fail the page
+                log.exception("cannot show the summary of node %s", node.get("name"))
+                rows.append(f"<tr><td>{name}{where}</td><td colspan='5' class='warn'>broken: its summary cannot be shown</td></tr>")
                 continue
             rows.append(
                 f"<tr><td>{name}{where}</td><td>{_e(summary.get('gpus'))}</td><td>{_e(summary.get('free'))}</td>"
                 f"<td>{_e(summary.get('reclaimable'))}</td><td>{_e(summary.get('leases'))}</td>"
                 f"<td>{_e(summary.get('pending'))}</td></tr>"
             )
-            details += self._node_detail(node.get("name"), summary)
+            details += detail
         if not rows:
             rows.append("<tr><td colspan='6' class='muted'>no nodes</td></tr>")
         error = cluster.get("error")
@@ -177,6 +193,25 @@ class PageHandler(PageBase):
             "</table>",
             *details,
         ]
+
+    @staticmethod
+    def _node_state(node: dict) -> tuple[str, str]:
+        """A node's state for the cluster view (``ok``, ``not answering``, ``not asked``, ``broken``) and why.
+
+        A summary is shown only when it is a node summary (checked here again, whoever asked for
+        it); without one, the reason is the node's own (``state``, ``problem``) or the last report
+        of its broker in this process.
+        """
+        summary = node.get("summary")
+        if summary is not None:
+            problem = kubernetes.summary_problem(summary)
+            return (kubernetes.BROKEN, f"not a node summary: {problem}") if problem else (kubernetes.OK, "")
+        if node.get("state"):
+            return str(node["state"]), str(node.get("problem") or "")
+        report = kubernetes.last_report(node["url"]) if isinstance(node.get("url"), str) else None
+        if report is not None and report.state != kubernetes.OK:
+            return report.state, report.problem
+        return kubernetes.NOT_ANSWERING, ""
 
     def _node_detail(self, name: Any, summary: dict) -> list[str]:
         gpus = [
