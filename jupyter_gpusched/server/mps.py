@@ -67,13 +67,25 @@ LONGEST_SOCKET = "control_privileged"
 MAX_SOCKET_PATH = 107
 
 
-def short_root() -> str:
-    """A folder of this user's for the daemons' pipes, with a short path (in the temp directory).
+#: What a private pipe folder's name begins with (``tempfile.mkdtemp`` adds 8 random characters).
+SHORT_PREFIX = "gpusched-mps-"
 
-    Made 0700; one that is a link, or not this user's, or open to others is refused.
+
+def short_root() -> str:
+    """A new folder of this user's for the daemons' pipes, with a short path (in the temp directory).
+
+    Made by :func:`tempfile.mkdtemp`: 0700, under a name nobody can guess, and made by this call
+    alone (it fails rather than take a folder that exists), so another user cannot make it first
+    nor point it elsewhere. Where the temp directory's own path is too long for the sockets,
+    ``/tmp``. Checked once more after it is made: a link, a folder not this user's or open to
+    others is refused.
     """
-    root = os.path.join(tempfile.gettempdir(), f"gpusched-mps-{os.getuid()}")
-    os.makedirs(root, mode=0o700, exist_ok=True)
+    # The longest path the daemon binds: the folder, a GPU's digest, "pipe" and its socket.
+    room = len(os.path.join(SHORT_PREFIX + "x" * 8, "x" * 12, "pipe", LONGEST_SOCKET)) + 1
+    bases = [b for b in dict.fromkeys((tempfile.gettempdir(), "/tmp")) if len(b) + room <= MAX_SOCKET_PATH]
+    if not bases:
+        raise OSError(f"the temp directory {tempfile.gettempdir()} has too long a path for the MPS pipes' sockets")
+    root = tempfile.mkdtemp(prefix=SHORT_PREFIX, dir=bases[0])
     info = os.lstat(root)
     if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
         raise OSError(f"{root} is not a private folder of this user's; the MPS pipes cannot go there")
@@ -107,6 +119,8 @@ class MPS:
         self.environ = dict(os.environ if environ is None else environ)
         self.daemons: dict[str, Daemon] = {}
         self.control: str | None = None
+        #: The private folder for the pipes where ``root`` is too deep for sockets (made once).
+        self.short_root: str | None = None
         if setting == "off":
             self.state, self.reason = "off", "MPS is off (c.GPUSchedApp.mps = 'off')"
         elif hub:
@@ -140,7 +154,9 @@ class MPS:
         if len(os.path.join(base, "pipe", LONGEST_SOCKET)) > MAX_SOCKET_PATH:
             # A deep runtime directory: the daemon could not bind its sockets there.
             try:
-                base = os.path.join(short_root(), name)
+                if self.short_root is None:
+                    self.short_root = short_root()
+                base = os.path.join(self.short_root, name)
             except OSError as err:
                 log.warning("MPS: %s", err)
         return Daemon(uuid, os.path.join(base, "pipe"), os.path.join(base, "log"))
@@ -207,6 +223,7 @@ class MPS:
     def stop(self) -> None:
         """Tell each daemon to quit (blocking). Its MPS server ends once its clients have."""
         command, stdin = self.stop_command()
+        stopped = list(self.daemons)
         for uuid, daemon in list(self.daemons.items()):
             try:
                 done = subprocess.run(
@@ -224,6 +241,9 @@ class MPS:
             self.daemons.pop(uuid, None)
         if self.state == "running":
             self.state, self.reason = "stopped", "the MPS control daemons were stopped"
+        if self.short_root is not None and not any(self.running(self.daemon_for(u)) for u in stopped):
+            shutil.rmtree(self.short_root, ignore_errors=True)
+            self.short_root = None
 
     def info(self) -> dict:
         """What kernels are told (``JUPYTER_GPUSCHED_MPS``; see ``kernel.limits.MpsInfo``)."""
