@@ -59,9 +59,7 @@ c.JupyterHub.log_level = {log_level!r}
 c.JupyterHub.authenticator_class = "dummy"
 c.Authenticator.allow_all = True
 c.Authenticator.admin_users = set({admins!r})
-c.JupyterHub.spawner_class = "simple"
-c.SimpleLocalProcessSpawner.home_dir_template = {homes!r} + "/{{username}}"
-c.Spawner.args = ["--allow-root"]
+{spawner}
 c.Spawner.start_timeout = 180
 c.Spawner.http_timeout = 180
 c.Spawner.environment.update(json.loads({environment!r}))
@@ -82,10 +80,95 @@ for name, value in json.loads({broker!r}).items():
 '''
 
 
+#: Servers as the hub's own Unix user (root here), each in a home of the test's own.
+_SIMPLE_SPAWNER = """\
+c.JupyterHub.spawner_class = "simple"
+c.SimpleLocalProcessSpawner.home_dir_template = {homes!r} + "/{{username}}"
+c.Spawner.args = ["--allow-root"]"""
+
+#: JupyterHub's default spawner: each user's server runs as that Unix user, from an environment
+#: an admin installed for everyone.
+_LOCAL_PROCESS_SPAWNER = """\
+c.JupyterHub.spawner_class = "localprocess"
+c.Spawner.cmd = [{singleuser!r}]
+c.Spawner.args = []"""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+ROOT = Path(__file__).resolve().parents[1]
+#: Where the environment for real users' servers is made: a path every user can read.
+USERS_ENV_ROOT = Path(os.environ.get("GPUSCHED_TEST_USERS_ENV_ROOT", "/opt"))
+#: The system's interpreter: an environment made from it is one every user can run (one made from
+#: an interpreter under /root is not).
+SYSTEM_PYTHON = "/usr/bin/python3"
+_installed: dict[str, Path] = {}
+
+
+def real_users_unavailable() -> str | None:
+    """Why servers cannot run as real Unix accounts here (None: they can)."""
+    if os.geteuid() != 0:
+        return "real Unix accounts need root (useradd, and a hub that starts servers as other users)"
+    if shutil.which("useradd") is None:
+        return "useradd is not installed"
+    if not os.access(SYSTEM_PYTHON, os.X_OK):
+        return f"{SYSTEM_PYTHON} is missing: no interpreter every user may run"
+    return None
+
+
+def unix_users(names: Iterable[str]) -> dict[str, int]:
+    """Real Unix accounts with homes (``useradd -m``), made where missing; their uids."""
+    import pwd
+
+    uids = {}
+    for name in names:
+        try:
+            uids[name] = pwd.getpwnam(name).pw_uid
+        except KeyError:
+            subprocess.run(["useradd", "-m", "-s", "/bin/bash", name], check=True, capture_output=True)
+            uids[name] = pwd.getpwnam(name).pw_uid
+    return uids
+
+
+def users_environment() -> Path:
+    """An environment every user can run, with this checkout's package installed as an admin would.
+
+    Made from the system interpreter under ``/opt``; its dependencies are installed once per set of
+    declared dependencies (a hash names the folder), and this checkout's wheel again in each test
+    session, so the servers run the code under test.
+    """
+    import hashlib
+
+    key = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + SYSTEM_PYTHON.encode()).hexdigest()[:12]
+    env = USERS_ENV_ROOT / f"gpusched-test-users-{key}"
+    if key in _installed:
+        return _installed[key]
+    pip = [str(env / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    wheel_dir = Path(tempfile.mkdtemp(prefix="gpusched-wheel-"))
+    try:
+        # The lab extension was built by the checkout's own install; the wheel takes it as it is.
+        subprocess.run(
+            [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheel_dir), str(ROOT)],
+            check=True, capture_output=True, env={**os.environ, "HATCH_BUILD_NO_HOOKS": "true"},
+        )
+        (wheel,) = wheel_dir.glob("jupyter_gpusched-*.whl")
+        if not (env / ".complete").exists():
+            shutil.rmtree(env, ignore_errors=True)
+            subprocess.run([SYSTEM_PYTHON, "-m", "venv", str(env)], check=True, capture_output=True)
+            subprocess.run(pip + [f"{wheel}[hub]"], check=True, capture_output=True)
+            (env / ".complete").write_text("dependencies installed\n")
+        subprocess.run(pip + ["--no-deps", "--force-reinstall", str(wheel)], check=True, capture_output=True)
+    except subprocess.CalledProcessError as exc:
+        raise HubError(f"could not make the users' environment {env}: {exc}\n{exc.stderr}") from None
+    finally:
+        shutil.rmtree(wheel_dir, ignore_errors=True)
+    subprocess.run(["chmod", "-R", "a+rX", str(env)], check=True)
+    _installed[key] = env
+    return env
 
 
 class HubError(RuntimeError):
@@ -106,11 +189,16 @@ class Hub:
         example: Path = EXAMPLE,
         log_level: str = "INFO",
         hub_environment: dict[str, str] | None = None,
+        users_env: Path | None = None,
     ) -> None:
         """``environment``: what every single-user server gets (``c.Spawner.environment``);
-        ``hub_environment``: what the hub process itself gets (its config and hooks read it)."""
+        ``hub_environment``: what the hub process itself gets (its config and hooks read it);
+        ``users_env``: an environment from :func:`users_environment`: then the servers run as the
+        hub users' own Unix accounts (JupyterHub's default spawner; see :func:`unix_users`)."""
         self.dir = Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.users_env = users_env
+        self.python = str(users_env / "bin" / "python") if users_env else sys.executable
         self.proxy_port = free_port()
         self.hub_port = free_port()
         self.proxy_api_port = free_port()
@@ -122,8 +210,23 @@ class Hub:
         self.broker_socket = str(self.socket_dir / "broker.sock")
         self.admin_token = secrets.token_hex(16)
         self.ledger_path = str(self.dir / "gpusched.sqlite")
-        self.sim_state = str(self.dir / "gpusched-sim.sqlite")
-        self.kernels_dir = self.dir / "share" / "jupyter"
+        if users_env is None:
+            self.shared_dir = None
+            self.sim_state = str(self.dir / "gpusched-sim.sqlite")
+            self.kernels_dir = self.dir / "share" / "jupyter"
+        else:
+            # What every user's server and kernels read (kernelspecs) or write (the simulated GPUs,
+            # as a real driver is shared); the hub's own files stay in the private workdir.
+            self.shared_dir = Path(tempfile.mkdtemp(prefix="gpusched-hub-"))
+            os.chmod(self.shared_dir, 0o755)
+            sim_dir = self.shared_dir / "sim"
+            sim_dir.mkdir()
+            os.chmod(sim_dir, 0o1777)
+            self.sim_state = str(sim_dir / "gpusched-sim.sqlite")
+            fd = os.open(self.sim_state, os.O_CREAT | os.O_WRONLY, 0o666)
+            os.close(fd)
+            os.chmod(self.sim_state, 0o666)
+            self.kernels_dir = self.shared_dir / "share" / "jupyter"
         broker_config = {
             "backend": "simulated",
             "simulated_devices": 2,
@@ -132,6 +235,7 @@ class Hub:
             "poll_interval": 0.5,
             "heartbeat_interval": 1.0,
             "heartbeat_timeout": 6.0,
+            **({"allow_shared_state_files": True} if users_env else {}),
             **(broker or {}),
         }
         env = {
@@ -153,7 +257,10 @@ class Hub:
                 pid_file=str(self.dir / "jupyterhub.pid"),
                 log_level=log_level,
                 admins=sorted(admins),
-                homes=str(self.dir / "homes"),
+                spawner=(
+                    _LOCAL_PROCESS_SPAWNER.format(singleuser=str(users_env / "bin" / "jupyterhub-singleuser"))
+                    if users_env else _SIMPLE_SPAWNER.format(homes=str(self.dir / "homes"))
+                ),
                 environment=json.dumps(env),
                 admin_token=self.admin_token,
                 broker=json.dumps(broker_config),
@@ -176,7 +283,7 @@ class Hub:
         spec_dir = self.kernels_dir / "kernels" / name
         spec_dir.mkdir(parents=True, exist_ok=True)
         spec = {
-            "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            "argv": [self.python, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
             "display_name": f"Python (GPU, {name})",
             "language": "python",
             "metadata": {
@@ -292,6 +399,8 @@ class Hub:
         self._session.close()
         self.proc = None
         shutil.rmtree(self.socket_dir, ignore_errors=True)
+        if self.shared_dir is not None:
+            shutil.rmtree(self.shared_dir, ignore_errors=True)
 
     def __enter__(self) -> Hub:
         try:
