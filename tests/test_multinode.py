@@ -376,6 +376,8 @@ def test_the_admin_page_at_the_services_url_shows_every_node(cluster):
     page = _login(hub, "admin").get(hub.broker_url, timeout=30).text
     assert "Node <b>node-a</b>" in page and "<h2>Nodes</h2>" in page
     assert "not answering" not in page and "could not be listed" not in page
+    # Both brokers are on this host's loopback address and answer well-formed summaries.
+    assert "broken:" not in page and "not asked" not in page
     # node-b, as its own broker summarizes it to the other nodes: its two GPUs, both alice's.
     assert cluster.nodes["node-b"].url in page
     node_b = page[page.index("<h3>node-b</h3>") :]
