@@ -127,3 +127,40 @@ async def _not_executing(kernels, kernel_id):
 async def _has_lease(jp_fetch, kernel_id):
     code, leases = await api(jp_fetch, "leases", params={"kernel_id": kernel_id})
     return code == 200 and any(le["state"] == "active" for le in leases)
+
+
+async def test_a_checkpoint_that_lands_mid_cell_is_restored_as_soon_as_the_cell_needs_its_gpu(
+    jp_fetch, gpu_kernelspec, start_kernel, arbiter, monkeypatch
+):
+    """On a hub broker the executor cannot tell that a cell runs (a server's word is not proof),
+    so a checkpoint can land mid-cell. The cell's next GPU call asks for the lease back and waits
+    for the restore: the cell neither fails nor hangs, and its GPU memory comes back with it."""
+    gpu_kernelspec("gpu")
+    k = await start_kernel("gpu")
+    out = await k.execute("from jupyter_gpusched.devices import simulated; simulated.allocate('1GiB')")
+    assert out["error"] is None, out
+    await arbiter.tick()
+    lease_id = (await _lease_of(jp_fetch, k.id))["id"]
+    # Nor does the server restore the running kernel on its own here: the kernel asks.
+    monkeypatch.setattr(arbiter, "_resume_running", lambda tx, leases, activity, now: leases)
+    told: list[str] = []
+    arbiter.subscribe(lambda e: told.append(e.notice["kind"]) if e.type == "notice" and e.notice else None)
+
+    cell = asyncio.ensure_future(k.execute(
+        "import time\n"
+        "for _ in range(40):\n"
+        "    simulated.set_utilization(90); time.sleep(0.05)\n"
+        "print(simulated.memory_allocated())",
+        timeout=60,
+    ))
+    await _until(lambda: _executing(arbiter, k.id), what="the kernel to be seen running the cell")
+    monkeypatch.setattr(arbiter.kernels, "executing", lambda kernel_id: False)
+    await _due_for_checkpoint(arbiter, lease_id)
+    out = await cell
+    assert out["error"] is None and out["stdout"].strip().splitlines()[-1] == str(GiB), out
+    assert "suspended" in told and "resumed" in told, told
+    assert any("Restored this kernel's GPU state" in d for d in out["display"]), out
+    lease = await _lease_of(jp_fetch, k.id)
+    assert lease["id"] == lease_id and lease["state"] in ("active", "idle"), lease
+    assert arbiter.ledger.checkpoints() == []
+

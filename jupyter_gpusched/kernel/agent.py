@@ -47,6 +47,9 @@ __all__ += ["AUTO_RETRY_AFTER", "WATCH_FAILURES_BEFORE_NOTICE", "DisplayFn"]
 
 log = logging.getLogger("jupyter_gpusched.kernel")
 
+#: Set in kernels of a server that runs simulated GPUs (devices.simulated.STATE_ENV).
+_SIM_STATE_ENV = "JUPYTER_GPUSCHED_SIM_STATE"
+
 
 def _kernel_id_from_connection_file() -> str | None:
     try:
@@ -313,6 +316,7 @@ class Agent:
         self.shell.ast_transformers.insert(0, self.hooks.gate)
         atexit.register(self.stop_watcher, 1.0)
         self._installed = True
+        self._on_checkpointed(self.hooks.resume_running_cell)
         if self.limits.set_at_launch:
             # Before any startup code can import torch.
             self.limits.install_torch_hook()
@@ -331,6 +335,7 @@ class Agent:
             self.panel_obj = None
         if not self._installed or self.shell is None:
             return
+        self._on_checkpointed(None)
         with contextlib.suppress(ValueError):
             self.shell.events.unregister("pre_run_cell", self.pre_run_cell)
         if self.hooks.gate in self.shell.ast_transformers:
@@ -341,6 +346,19 @@ class Agent:
             if owner is self._magics:
                 magics[kind].pop("gpu", None)
         self._installed = False
+
+    def _on_checkpointed(self, resume: Callable[[], None] | None) -> None:
+        """Tell the simulated GPUs' CUDA stand-in, where this kernel uses them, how a call that
+        meets a checkpointed process asks for the lease back (a real driver's call blocks until
+        the server restores the process, which it does for a kernel seen running)."""
+        if not self.environ.get(_SIM_STATE_ENV):
+            return
+        try:
+            from ..devices.simulated import cuda as simulated_cuda
+        except Exception:  # noqa: BLE001 - the simulated GPUs are a convenience, never a failure here
+            log.debug("simulated GPUs unavailable in this kernel", exc_info=True)
+            return
+        simulated_cuda.on_checkpointed(resume)
 
     # -- the panel ----------------------------------------------------------------------------
     def panel(self, interval: float = 2.0) -> Any:

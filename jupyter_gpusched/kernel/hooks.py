@@ -220,6 +220,27 @@ class Hooks:
                 f"(in {render.format_duration(waited)})."
             )
 
+    def resume_running_cell(self) -> None:
+        """Code of the running cell needs the GPU while this kernel's GPU state is checkpointed
+        (a checkpoint landed mid-cell): ask for the lease back now and wait, showing the queue
+        position, as the next cell's hook would; the cell goes on once the state is restored.
+
+        Raises:
+            GPUSchedError: the state could not be restored (the server says why).
+        """
+        agent = self.agent
+        lease = agent.refresh()
+        state = lease.get("state") if lease else None
+        if state == LeaseState.RECLAIMING and lease.get("reclaim_step") == ReclaimStep.CHECKPOINT:
+            lease = self.await_checkpoint(lease)
+            state = lease.get("state") if lease else None
+        if state not in (LeaseState.SUSPENDED, LeaseState.PENDING):
+            return  # restored already (by the server, or another thread of the cell)
+        try:
+            self.resume(lease)
+        except CellNotRun as err:
+            raise GPUSchedError(err.message) from None
+
     def first_cell_claim(self) -> dict | None:
         """The claim the pre-run hook makes before the next cell, for a lazily bound kernel that
         has never held a lease (``None``: it makes none by itself)."""

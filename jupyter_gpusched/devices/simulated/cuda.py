@@ -5,6 +5,11 @@ it may use come from ``CUDA_VISIBLE_DEVICES``, the state file from ``$JUPYTER_GP
 The process is recorded as it knows itself, its pid in its own PID namespace with that namespace
 (a kernel in a container cannot know its host pid); the backend reports it under its host pid,
 as the driver does.
+
+A call that needs the GPU while the process is checkpointed waits for its restore, as the
+driver's calls do, instead of failing: a checkpoint that lands while a cell runs must not break
+the cell. The kernel agent says (:func:`on_checkpointed`) how to ask for the lease back, and the
+call asks at once; a process without one is told that it is checkpointed.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
+import time
+from typing import Callable
 
 from ... import procs
 from ...core.units import format_bytes
@@ -27,7 +34,7 @@ from .state import (
     transaction,
 )
 
-__all__ = ["allocate", "free", "memory_allocated", "set_utilization", "visible_devices"]
+__all__ = ["allocate", "free", "memory_allocated", "on_checkpointed", "set_utilization", "visible_devices"]
 
 # The package's one logger, named as before the simulated backend became a package.
 log = logging.getLogger("jupyter_gpusched.devices.simulated")
@@ -35,6 +42,27 @@ log = logging.getLogger("jupyter_gpusched.devices.simulated")
 
 #: This process's view of the processes in the state file (one, so that /proc is read sparingly).
 _processes: Processes | None = None
+#: Asks for this process's checkpointed GPU state back and returns once it is restored (or
+#: raises why it cannot be): the kernel agent's, where one runs.
+_resume: Callable[[], None] | None = None
+#: How long a call of a checkpointed process waits for its restore before it fails (seconds).
+RESTORE_WAIT = 600.0
+#: Seconds between two looks at the state file while waiting.
+RESTORE_POLL = 0.1
+
+
+class _Checkpointed(Exception):
+    """The process is checkpointed (internal: the call waits for its restore and tries again)."""
+
+
+def on_checkpointed(resume: Callable[[], None] | None) -> None:
+    """Say how this process asks for its checkpointed GPU state back (``None``: it does not).
+
+    ``resume`` is called when code needs the GPU while the process is checkpointed; it should
+    ask the scheduler for the lease back and return once the state is restored.
+    """
+    global _resume
+    _resume = resume
 
 
 def _me() -> tuple[int, int]:
@@ -106,9 +134,61 @@ def _resolve(device: int | str | None) -> str:
     return str(device)
 
 
+def _checkpointed(conn: sqlite3.Connection, pid: int, ns: int) -> bool:
+    return conn.execute("SELECT 1 FROM checkpoints WHERE pid = ? AND ns = ?", (pid, ns)).fetchone() is not None
+
+
 def _not_checkpointed(conn: sqlite3.Connection, pid: int, ns: int) -> None:
-    if conn.execute("SELECT 1 FROM checkpoints WHERE pid = ? AND ns = ?", (pid, ns)).fetchone():
+    if _checkpointed(conn, pid, ns):
+        raise _Checkpointed()
+
+
+def _wait_for_restore(path: str, pid: int, ns: int) -> None:
+    """Ask for this process's GPU state back and block, as the driver does, until it is restored.
+
+    Raises:
+        SimulatedCudaError: nobody here can ask for it back (no kernel agent said how), or it was
+            not restored within :data:`RESTORE_WAIT` seconds.
+    """
+    resume = _resume
+    if resume is None:
         raise SimulatedCudaError(f"process {pid} is checkpointed: its GPU memory is on the host until it is restored")
+    log.info("simulated GPUs: process %s is checkpointed and needs its GPU; asking for it back", pid)
+    resume()
+    deadline = time.monotonic() + RESTORE_WAIT
+    while True:
+        with transaction(path, write=False) as conn:
+            if not _checkpointed(conn, pid, ns):
+                return
+        if time.monotonic() > deadline:
+            raise SimulatedCudaError(
+                f"process {pid} is checkpointed: its GPU memory is on the host, and it was not restored "
+                f"within {RESTORE_WAIT:.0f} s"
+            )
+        time.sleep(RESTORE_POLL)
+
+
+def _on_the_gpu(
+    device: int | str | None, write: Callable[[sqlite3.Connection, str, int, int], None], *, tidy: bool = False
+) -> str:
+    """``write(conn, uuid, pid, ns)`` in one transaction on the state file, once this process is not
+    checkpointed (the device is resolved again after a restore); returns the device's UUID.
+
+    ``tidy``: forget the memory of processes that exited first, as an allocation does.
+    """
+    path = _state_path()
+    pid, ns = _me()
+    while True:
+        uuid = _resolve(device)
+        try:
+            with transaction(path, write=True) as conn:
+                if tidy:
+                    drop_dead(conn, _view())
+                _not_checkpointed(conn, pid, ns)
+                write(conn, uuid, pid, ns)
+            return uuid
+        except _Checkpointed:
+            _wait_for_restore(path, pid, ns)
 
 
 def allocate(nbytes: int | str, device: int | str | None = None) -> str:
@@ -128,13 +208,12 @@ def allocate(nbytes: int | str, device: int | str | None = None) -> str:
         DeviceLost: the device is lost.
     """
     size = as_bytes(nbytes)
-    uuid = _resolve(device)
-    pid, ns = _me()
-    with transaction(_state_path(), write=True) as conn:
-        drop_dead(conn, _view())
-        _not_checkpointed(conn, pid, ns)
+
+    def take(conn: sqlite3.Connection, uuid: str, pid: int, ns: int) -> None:
         place(conn, uuid, pid, procs.started(pid), size, None, ns=ns)
-    log.debug("simulated GPU %s: process %s allocated %s", uuid, pid, format_bytes(size))
+
+    uuid = _on_the_gpu(device, take, tidy=True)
+    log.debug("simulated GPU %s: process %s allocated %s", uuid, os.getpid(), format_bytes(size))
     return uuid
 
 
@@ -175,11 +254,11 @@ def free(nbytes: int | str | None = None, device: int | str | None = None) -> in
 def set_utilization(percent: float, device: int | str | None = None) -> None:
     """Say how busy this process keeps ``device`` (percent of the GPU), as its kernels would."""
     share = as_percent(percent, "utilization")
-    uuid = _resolve(device)
-    pid, ns = _me()
-    with transaction(_state_path(), write=True) as conn:
-        _not_checkpointed(conn, pid, ns)
+
+    def use(conn: sqlite3.Connection, uuid: str, pid: int, ns: int) -> None:
         place(conn, uuid, pid, procs.started(pid), 0, share, ns=ns)
+
+    _on_the_gpu(device, use)
 
 
 def memory_allocated(device: int | str | None = None) -> int:
