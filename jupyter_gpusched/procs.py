@@ -12,10 +12,15 @@ Kubernetes pod) knows itself by its pid in its own PID namespace. :func:`pid_nam
 namespace a process lives in (the inode of ``/proc/<pid>/ns/pid``), :func:`namespace_pid` how a
 process names itself, and :class:`PidNamespaces` maps a (namespace, pid) pair to the pid this
 process sees, from ``/proc/<pid>/status`` (``NSpid``) and ``/proc/<pid>/ns/pid``.
+:func:`pid_namespace_chain` lists the namespaces a process's namespace was made in (a namespace
+made inside a pod is still the pod's), and :func:`pod_name` the pod a process runs in, where the
+host can vouch for its name.
 """
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
 import hmac
 import os
 import pwd
@@ -563,8 +568,6 @@ def pid_namespace_chain(pid: int, proc: str = "/proc") -> list[int]:
 
     Raises ProcessLookupError or :class:`PidNamespaceError`, as :func:`pid_namespace` does.
     """
-    import fcntl
-
     own = own_pid_namespace()
     fd = _open_ns(pid, "pid", proc)
     out: list[int] = []
@@ -586,8 +589,7 @@ def pid_namespace_chain(pid: int, proc: str = "/proc") -> list[int]:
 
 
 def _owner_userns(fd: int) -> int | None:
-    import fcntl
-
+    """The inode of the user namespace that owns the namespace open as ``fd`` (None: unknown)."""
     try:
         owner = fcntl.ioctl(fd, NS_GET_USERNS)
     except OSError:
@@ -601,8 +603,6 @@ def _owner_userns(fd: int) -> int | None:
 def _uts_nodename(fd: int) -> str | None:
     """The host name of the UTS namespace open as ``fd``, read from a thread that joins it
     (needs ``CAP_SYS_ADMIN``; None without). The thread ends with it: nothing else changes."""
-    import ctypes
-
     out: list[str | None] = [None]
 
     def read() -> None:

@@ -86,3 +86,16 @@ def test_a_lease_owner_is_judged_by_its_process(zombie):
 def test_the_ledger_exports_the_same_identity_and_liveness():
     assert ledger.OwnerId is OwnerId
     assert ledger.is_alive is is_alive
+
+
+def test_a_process_of_the_hosts_own_namespaces_has_no_pod_and_no_namespace_above_it():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert procs.pod_name(child.pid) is None, "it shares this process's host name: no pod of its own"
+        assert procs.pid_namespace_chain(child.pid) == []
+    finally:
+        child.kill()
+        child.wait(10)
+    assert procs.pod_name(child.pid) is None, "a process that is gone is in no pod"
+    with pytest.raises(ProcessLookupError):
+        procs.pid_namespace_chain(child.pid)

@@ -27,9 +27,16 @@ server reported it (or claimed a GPU for it) first; a kernel id never changes ha
 broker restart, another user's server that reports a kernel id first cannot take it: the report
 is refused and logged, and the owner's server is believed as before. Within one user, a kernel
 stays with the server that reports it while that server's process runs: another of the user's
-servers that reports it is refused in the same way, and its heartbeats never end the lease. A server that falls silent keeps its leases while its kernels'
-processes live; once it has been silent for ``heartbeat_timeout`` seconds its kernels count as
-gone unless their processes still hold a GPU (those are reported, see :meth:`stranded`).
+servers that reports it is refused in the same way, and its heartbeats never end the lease.
+
+A server that falls silent keeps its leases while its kernels' processes live; once it has been
+silent for ``heartbeat_timeout`` seconds its kernels count as gone unless their processes still
+hold a GPU (those are reported, see :meth:`stranded`). A pid is a kernel's process only while it
+started when the process the broker found did: every look checks, so a pid reused between two
+heartbeats is never taken for the kernel's.
+
+A server's pod is the one the broker finds its process in (:func:`~jupyter_gpusched.procs.pod_name`);
+the host name a server reports is checked against it, and ignored where the broker finds none.
 """
 
 from __future__ import annotations
