@@ -193,7 +193,11 @@ class GPUBroker(SchedulingConfig, Application):
         GPUSCHED_BROKER_PORT, prefix GPUSCHED_BROKER_PREFIX; the pod's service account must be
         allowed to list pods); elsewhere,
         no other node (the page shows this host only). The other brokers are asked with this
-        broker's own API token (JUPYTERHUB_API_TOKEN), which every node broker shares.""",
+        broker's own API token (JUPYTERHUB_API_TOKEN), which every node broker shares; it goes only
+        to the brokers listed or found, over https only once their certificate verifies
+        (GPUSCHED_BROKER_CA), over plain http only to this host or to the hosts in
+        GPUSCHED_BROKER_ALLOW_HTTP. A broker whose summary is not a valid node summary is shown as
+        broken and never chosen.""",
     ).tag(config=True)
 
     #: Set by :meth:`setup` (None until then).
@@ -458,9 +462,11 @@ class GPUBroker(SchedulingConfig, Application):
     async def cluster(self) -> dict:
         """Every node of the cluster view: this one and the other node brokers, each with its summary.
 
-        ``{"nodes": [{"name", "url", "this", "summary"}], "error"}``: ``summary`` is None for a
-        broker that does not answer; ``error`` says why the other brokers could not be listed
-        (None: they could). This node comes first, then the others by name.
+        ``{"nodes": [{"name", "url", "this", "summary", "state", "problem"}], "error"}``: ``summary``
+        is None for a broker that does not answer, answers no valid summary, or may not get the
+        service token (``state`` and ``problem`` say which and why); ``error`` says why the other
+        brokers could not be listed (None: they could). This node comes first, then the others by
+        name.
         """
         nodes = [{"name": self.node_name, "url": None, "this": True, "summary": self.broker.node_summary(self.node_name)}]
         try:
@@ -468,8 +474,13 @@ class GPUBroker(SchedulingConfig, Application):
         except (ValueError, kubernetes.DiscoveryError) as exc:
             return {"nodes": nodes, "error": str(exc)}
         others = [b for b in brokers if b.name != self.node_name]
-        summaries = await kubernetes.node_summaries(others, self.service_token) if others else {}
-        nodes += [{"name": b.name, "url": b.url, "this": False, "summary": summaries.get(b.name)} for b in others]
+        reports = await kubernetes.node_reports(others, self.service_token) if others else {}
+        for b in others:
+            report = reports.get(b.name) or kubernetes.NodeReport(None, kubernetes.NOT_ASKED, "not asked")
+            nodes.append({
+                "name": b.name, "url": b.url, "this": False, "summary": report.summary,
+                "state": report.state, "problem": report.problem,
+            })
         return {"nodes": nodes, "error": None}
 
     async def _upkeep_loop(self) -> None:
