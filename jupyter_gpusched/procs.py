@@ -626,7 +626,8 @@ def pod_name(pid: int, proc: str = "/proc") -> str | None:
     (a user who makes a user namespace of their own may name its UTS namespace as they like, and
     mount any file over ``/etc/hostname``). The name is read by joining the UTS namespace (root with
     ``CAP_SYS_ADMIN``), else from the pod's ``/etc/hostname`` as the process sees it (the file
-    the kubelet writes, which the process's users cannot change), else not at all.
+    the kubelet mounts there, which the process's users cannot change; the host's own file is no
+    pod's), else not at all.
     """
     try:
         uts = _open_ns(pid, "uts", proc)
@@ -657,9 +658,16 @@ def pod_name(pid: int, proc: str = "/proc") -> str | None:
             os.close(mnt)
         try:
             with open(f"{proc}/{pid}/root/etc/hostname", "rb") as f:
+                theirs = os.fstat(f.fileno())
                 name = f.read(256).decode("ascii", "replace").strip()
         except OSError:
             return None
+        try:
+            ours = os.stat("/etc/hostname")
+        except OSError:
+            ours = None
+        if ours is not None and (ours.st_dev, ours.st_ino) == (theirs.st_dev, theirs.st_ino):
+            return None  # the host's own file: no pod's name
     return name or None
 
 

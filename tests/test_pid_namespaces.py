@@ -606,3 +606,33 @@ def test_a_process_in_a_namespace_made_inside_a_pod_is_the_pods():
         assert server not in procs.ancestors(nested), "not under the server's process"
         assert kernels.owner_of(nested) == {"server_id": "pod-1", "user": "alice", "pod": "jupyter-alice"}
         assert kernels.owner_of(hosts["init"]) == {"server_id": "pod-1", "user": "alice", "pod": "jupyter-alice"}
+
+
+#: A pod as the kubelet makes one: its host name in its UTS namespace and in the file mounted on
+#: its /etc/hostname.
+POD_WITH_HOSTNAME_FILE = """
+import json, os, socket, subprocess, sys, tempfile
+from jupyter_gpusched import procs
+name = os.environ["POD_HOSTNAME"]
+socket.sethostname(name)
+fd, path = tempfile.mkstemp()
+os.write(fd, (name + "\\n").encode())
+os.close(fd)
+subprocess.run(["mount", "--bind", path, "/etc/hostname"], check=True)
+print(json.dumps({"ns": procs.own_pid_namespace(), "pid": os.getpid()}), flush=True)
+sys.stdin.read()
+os.unlink(path)
+"""
+
+
+def test_a_broker_that_cannot_join_a_pods_uts_namespace_reads_the_pods_hostname_file(monkeypatch):
+    """A broker without CAP_SYS_ADMIN (the DaemonSet's: root with SYS_PTRACE only) reads the pod's
+    name from the /etc/hostname the kubelet mounts into it."""
+    with Namespaced(POD_WITH_HOSTNAME_FILE, role="server", hostname="jupyter-carol") as pod:
+        host = pod.host_pids()["server"]
+        assert procs.pod_name(host) == "jupyter-carol"
+        monkeypatch.setattr(procs, "_uts_nodename", lambda fd: None)
+        assert procs.pod_name(host) == "jupyter-carol"
+        with Namespaced(SERVER_WITH_KERNEL, role="server", hostname="jupyter-carol") as bare:
+            # No file of its own on /etc/hostname: the host's name is no pod's.
+            assert procs.pod_name(bare.host_pids()["server"]) is None
