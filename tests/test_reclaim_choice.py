@@ -246,3 +246,51 @@ async def test_a_kernel_the_host_says_ended_without_a_known_process_is_released_
     await s.arb.tick()
     assert s.lease(carol["id"]).reason == "released: the kernel has shut down"
     await s.arb.stop()
+
+
+async def test_the_idle_kernel_is_checkpointed_not_the_one_whose_server_says_it_runs_a_cell(scene):
+    """The bad run's first step. bob's server says his cell runs, but the host does not count it
+    (no evidence, as a hub broker may find); alice's cell has just ended. carol waits: alice's
+    lease is checkpointed once it is past the contended threshold, and bob keeps his GPU."""
+    s = scene(SchedConfig(idle_timeout=3.0, contended_idle_timeout=2.0, adaptive=False, quotas={"*": 0.5}))
+    await s.arb.tick()
+    for name in ("alice", "bob"):
+        s.kernel(name)
+    alice, bob = await s.claim("alice"), await s.claim("bob")
+    s.backend.add_process(alice["devices"][0], s.procs["alice"].pid, GiB)
+    s.backend.add_process(bob["devices"][0], s.procs["bob"].pid, GiB)
+    start = s.clock()
+    s.host.states["k-alice"] = (True, start, start)
+    s.host.states["k-bob"] = (True, start, start)
+    await s.arb.tick()
+    s.kernel("carol")
+    carol = await s.claim("carol")
+    assert carol["state"] == "pending"
+
+    # From t=1 bob's server says his cell runs but the host does not count it; alice's cell
+    # ends at t=2.5. At t=3 bob has counted idle for 2 s (the contended threshold), alice 0.5 s.
+    s.clock.advance(1)
+    s.host.said.add("k-bob")
+    s.host.states["k-bob"] = (False, start, None)
+    await s.arb.tick()
+    s.clock.advance(1.5)
+    s.host.states["k-alice"] = (False, s.clock(), None)
+    await s.arb.tick()
+    for _ in range(5):
+        s.clock.advance(0.5)
+        await s.arb.tick()
+        await _settle(s)
+    assert s.lease(bob["id"]).state in (LeaseState.ACTIVE, LeaseState.IDLE), s.lease(bob["id"]).reason
+    assert s.lease(alice["id"]).state == LeaseState.SUSPENDED, s.lease(alice["id"]).reason
+    assert s.lease(carol["id"]).devices == tuple(alice["devices"])
+    await s.arb.stop()
+
+
+async def _settle(s: Scene) -> None:
+    """Let the steps the tick handed to the executor finish."""
+    import asyncio
+
+    for _ in range(100):
+        if not s.arb.reclaims.inflight and not s.arb.reclaims.restores:
+            return
+        await asyncio.sleep(0.01)

@@ -128,6 +128,8 @@ class LocalArbiter(LocalReads, Arbiter):
         #: Each kernel's process tree as last observed (reclaims act within it only).
         self.trees: Mapping[str, set[int]] = {}
         self._activity: Mapping[str, KernelActivity] = {}
+        #: Kernels whose host said at the last look that they run a cell (see _said_running).
+        self._running: frozenset[str] = frozenset()
         self._waiters: dict[str, asyncio.Event] = {}
         self._task: asyncio.Task | None = None
         self._tick_lock = asyncio.Lock()
@@ -235,10 +237,27 @@ class LocalArbiter(LocalReads, Arbiter):
                 has_inventory=self.backend is not None,
             )
         self.trees = seen.trees
+        self._running = self._said_running(seen.activity)
         self.state.process_kernels = seen.process_kernels
         self.state.unleased = seen.unleased
         self._activity = seen.activity
         return seen
+
+    def _said_running(self, activity: Mapping[str, KernelActivity]) -> frozenset[str]:
+        """Kernels whose host says they run a cell now, believed or not (a hub broker believes
+        a server's word only with evidence): between two otherwise equal idle leases the plan
+        takes the other one. A host without ``said_running`` counts its word as busy already."""
+        said = getattr(self.kernels, "said_running", None)
+        if said is None:
+            return frozenset()
+        out = set()
+        for kernel_id in activity:
+            try:
+                if said(kernel_id):
+                    out.add(kernel_id)
+            except Exception:  # noqa: BLE001 - a hint for the plan, never a reason to fail the tick
+                log.debug("could not ask whether kernel %s runs a cell", kernel_id, exc_info=True)
+        return frozenset(out)
 
     async def _tx(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn``, one short ledger transaction, on the event loop when the ledger's write
@@ -280,7 +299,7 @@ class LocalArbiter(LocalReads, Arbiter):
             half_life = self.cfg.usage_half_life
             book = core_usage.Book(tx.usage()) if half_life > 0 else None
             recent = book.recent(now, half_life) if book is not None else None
-            plan = core.plan(devices, leases, activity, now, self.cfg, self.caps, usage=recent)
+            plan = core.plan(devices, leases, activity, now, self.cfg, self.caps, usage=recent, running=self._running)
             read = {lease.id: lease for lease in leases}
             for lease_id in plan.changed:
                 # As read in this transaction: no need to read it again.

@@ -107,7 +107,7 @@ _NOT_OBSERVED = frozenset({LeaseState.PENDING, LeaseState.SUSPENDED})
 
 
 class _Pass:
-    def __init__(self, devices, leases, activity, now, cfg, caps, recent=None) -> None:
+    def __init__(self, devices, leases, activity, now, cfg, caps, recent=None, running=frozenset()) -> None:
         self.devices: Sequence[Device] = tuple(devices)
         host = _host(self.devices)
         self.host = host
@@ -135,6 +135,8 @@ class _Pass:
         self.recent: Mapping[str, float] = recent if recent and cfg.usage_half_life > 0 else {}
         #: The key each claim came out of the fair queue with (for fairness.explain).
         self.keys: dict[str, tuple] = {}
+        #: Kernels whose host says they run a cell although the pass may not count them busy.
+        self.running: AbstractSet[str] = running
 
     # -- helpers ---------------------------------------------------------------------------
     def set(self, lease: Lease, kind: str | None = None, reason: str = "", position: int | None = None) -> Lease:
@@ -445,6 +447,10 @@ class _Pass:
         # yields only to that same user's waiting kernels (the quota protects a user from
         # others, not one of their notebooks from another).
         eligible: list[tuple[float, Lease, bool]] = []
+        # Idle leases not yet past their threshold (when they will be, the lease, anyone): a
+        # kernel said to run a cell is not taken while one of these will serve the claim soon.
+        upcoming: list[tuple[float, Lease, bool]] = []
+        running = self.running
         waiting_users = {claim.user for claim in blocked}
         for lease in self.live():
             if not lease.holding or lease.busy or self.pinned(lease):
@@ -464,17 +470,22 @@ class _Pass:
                 eligible.append((idle_for, lease, anyone))
             elif lease.last_active_at is not None:
                 self.wake(lease.last_active_at + threshold)
+                if lease.kernel_id not in running:
+                    upcoming.append((lease.last_active_at + threshold, lease, anyone))
+        # A kernel whose host says it runs a cell is never taken before an idle one: that word
+        # alone cannot keep a GPU (the host counts it only with evidence, and not for ever), but
+        # between two candidates it decides.
         if self.recent:
             # Borrowed leases first, of the user with the most recent usage per guaranteed GPU
             # first; then, as without usage, the longest idle first.
             def heaviest(item: tuple[float, Lease, bool]) -> tuple:
                 idle_for, lease, _ = item
                 weight = usage.used_ratio(lease.user) if lease.id in borrowed else -1.0
-                return (-weight, -idle_for, lease.id)
+                return (lease.kernel_id in running, -weight, -idle_for, lease.id)
 
             eligible.sort(key=heaviest)
         else:
-            eligible.sort(key=lambda item: (-item[0], item[1].id))
+            eligible.sort(key=lambda item: (item[1].kernel_id in running, -item[0], item[1].id))
         chosen: dict[str, str] = {}
         # The host as it will be once the chosen victims are gone and the claims before this one
         # hold their devices: two waiting claims must not count on the same freed GPU, and a claim
@@ -511,6 +522,11 @@ class _Pass:
                     found = fit(claim, trial)
                     if found is not None:
                         picked, placed = trial, found
+                if any(holding[vid].kernel_id in running for vid in picked):
+                    soon = self.idle_instead(claim, chosen, eligible, upcoming, fit)
+                    if soon is not None:
+                        self.wake(soon)
+                        continue  # the idle kernel's GPU is taken once its time is up
                 for vid in picked:
                     above = self.cfg.policy == "hybrid" and vid in borrowed
                     share = " beyond its user's guaranteed share" if above else ""
@@ -518,10 +534,29 @@ class _Pass:
                     if self.recent and vid in borrowed:
                         owner = holding[vid].user
                         why += f" ({owner} used {format_gpu_time(usage.used(owner))} recently)"
+                    if holding[vid].kernel_id in running:
+                        why += "; its server says it runs a cell, but no use of CPU or GPU backs that and no idle kernel can serve the claim"
                     chosen[vid] = why
                     vacate(planned, holding[vid], self.by_uuid)
             occupy(planned, evolve(claim, state=LeaseState.ACTIVE, devices=placed[0]), self.by_uuid)
         return chosen
+
+    def idle_instead(self, claim: Lease, chosen, eligible, upcoming, fit) -> float | None:
+        """When the idle leases (not said to run a cell) that ``claim`` may take will, between them,
+        make room for it: now, or once the last of those needed is past its threshold. None: they
+        never will, and a kernel said to run a cell is taken."""
+
+        def allowed(lease: Lease, anyone: bool) -> bool:
+            return lease.id not in chosen and (anyone or lease.user == claim.user) and lease.kernel_id not in self.running
+
+        now_ids = [le.id for _, le, anyone in eligible if allowed(le, anyone)]
+        later = sorted((at, le.id) for at, le, anyone in upcoming if allowed(le, anyone))
+        ids = list(now_ids)
+        for at, lease_id in later:
+            ids.append(lease_id)
+            if fit(claim, ids) is not None:
+                return at
+        return None
 
     def uncontended(self, limits: _Limits) -> dict[str, str]:
         """Idle leases past their keep time (non-disruptive) or ``release_timeout`` (any step)."""
@@ -743,12 +778,18 @@ def plan(
     cfg: SchedConfig,
     caps: Capabilities = Capabilities(),
     usage: Mapping[str, float] | None = None,
+    running: AbstractSet[str] = frozenset(),
 ) -> Plan:
     """Run one scheduling pass over the live leases (released ones are ignored).
 
     ``usage``: each subject's recent usage in GPU-seconds (``core.usage.recent``); it orders the
     queue after quota and the borrowed leases to reclaim. Ignored when ``cfg.usage_half_life``
     is 0; ``None``: nobody used anything yet.
+
+    ``running``: kernels whose host says they run a cell now, whether or not ``activity`` counts
+    them busy (a hub broker counts a server's word only with evidence). Such a kernel's idle lease
+    is taken for a waiting claim only where no idle kernel's lease can serve it, now or once its
+    own idle time is up.
     """
     live = [lease for lease in leases if lease.state in LIVE]
-    return _Pass(devices, live, activity, now, cfg, caps, usage).run()
+    return _Pass(devices, live, activity, now, cfg, caps, usage, running).run()
