@@ -128,8 +128,9 @@ _UNLEASED = {
         "pod": {
             "type": ["string", "null"],
             "description": (
-                "hub broker: the host name that server reported when it runs in a PID namespace of its "
-                "own (in Kubernetes, the pod's name); null for a server in the broker's namespace"
+                "hub broker: the name of the pod the broker finds that server's process in (the host "
+                "name of a UTS namespace the host made; a name the server reports is only checked "
+                "against it, never believed); null where it finds none"
             ),
         },
     },

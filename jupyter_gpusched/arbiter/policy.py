@@ -2,7 +2,8 @@
 
 :class:`AccessPolicy` is a single server's: its own user is admin of it, and a kernel's token is
 good for that kernel's lease only. :class:`HubPolicy` adds the hub's: a kernel belongs to the user
-whose server reported it, a claim for a kernel the broker has not seen yet needs a connected,
+the ledger records for it (its lease's user, across broker restarts), else to the user whose
+server reported it first, a claim for a kernel the broker has not seen yet needs a connected,
 checked server of that user, only hub admins raise a claim's priority, and an admin sees the
 servers and the processes they left behind.
 """
