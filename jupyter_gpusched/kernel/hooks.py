@@ -234,8 +234,14 @@ class Hooks:
         if state == LeaseState.RECLAIMING and lease.get("reclaim_step") == ReclaimStep.CHECKPOINT:
             lease = self.await_checkpoint(lease)
             state = lease.get("state") if lease else None
-        if state not in (LeaseState.SUSPENDED, LeaseState.PENDING):
+        if state in HOLDING:
             return  # restored already (by the server, or another thread of the cell)
+        if state not in (LeaseState.SUSPENDED, LeaseState.PENDING):
+            why = (lease or {}).get("reason") or "it holds no lease"
+            raise GPUSchedError(
+                f"This kernel's GPU state is checkpointed, but its lease is gone ({why}); the server "
+                "restores the state once its GPU is free. Run `%gpu status` to see where it stands."
+            )
         try:
             self.resume(lease)
         except CellNotRun as err:
