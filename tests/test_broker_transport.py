@@ -228,11 +228,20 @@ async def test_servers_reach_the_broker_through_its_socket_and_nobody_else_can_t
         )
         assert attempt.stdout.strip() == "refused: Permission denied", attempt
 
+        # A claim made meanwhile waits for the server to be connected again, instead of a refusal.
+        waiting = asyncio.ensure_future(
+            client.claim(Principal(user="alice"), Claim(kernel_id=kernels.ids[0], count=1, wait=20.0))
+        )
+        await asyncio.sleep(0.5)
+        assert not waiting.done()
+
         # The broker comes back on the same socket; the server reconnects on its own.
         await setup.start_broker()
         await until(lambda: client.connected, 30, "the server to reconnect by itself")
+        answered = await asyncio.wait_for(waiting, 30)
+        assert answered.status == 200 and answered.lease["state"] in ("active", "idle"), "the same lease, kept"
         status = await client.status(Principal(user="alice"))
-        assert [lease["state"] for lease in status["leases"]] == ["active"], "the lease survived the restart"
+        assert [lease["id"] for lease in status["leases"]] == [answered.lease["id"]], "the lease survived the restart"
     finally:
         await setup.close()
 

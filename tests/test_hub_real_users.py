@@ -22,7 +22,9 @@ import pytest
 from hub_util import (
     SYSTEM_PYTHON, Hub, Kernel, real_users_unavailable, start_kernel, unix_users, users_environment,
 )
-from test_hub import VISIBLE, admin_status, assert_ledger_sound, lease_of, server_of, until, visible
+from test_hub import (
+    VISIBLE, admin_status, assert_ledger_sound, forged_connection, lease_of, server_of, until, visible,
+)
 
 pytestmark = [
     pytest.mark.hub,
@@ -41,6 +43,8 @@ BROKER = {
     "grace_period": 2.0,
     "quotas": {"*": 0.5},
     "show_holders": False,
+    # A server stopped for a few seconds (below) is not yet taken for gone.
+    "heartbeat_timeout": 20.0,
 }
 #: How many times the scenario of the wrong kernel's checkpoint runs (each about 40 s).
 SCENARIO_RUNS = int(os.environ.get("GPUSCHED_SCENARIO_RUNS", "2"))
@@ -107,6 +111,7 @@ SQUATTER = textwrap.dedent(
             tried[name] = e.strerror
     received, listening = [], False
     tcp = socket.socket()
+    tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as any server does
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if not listening:
@@ -175,6 +180,58 @@ def test_no_token_reaches_a_user_who_takes_the_brokers_address_while_it_restarts
     assert_ledger_sound(hub)
 
 
+# -- kernel ids stay their owners' across a restart -----------------------------------------------
+def _restart_broker(hub: Hub) -> None:
+    old = hub.broker_process()
+    assert old is not None
+    old.send_signal(signal.SIGTERM)
+
+    def restarted():
+        proc = hub.broker_process()
+        return proc if proc is not None and proc.pid != old.pid else None
+
+    until(restarted, 90, "the hub to restart the broker", hub)
+    hub.wait_broker(90)
+
+
+def test_after_a_restart_another_users_server_cannot_take_a_kernel_id(hub):
+    """alice knows bob's kernel id. The broker restarts, and her server speaks first: it reports
+    bob's kernel as hers, then leaves it out. bob keeps his kernel and its lease."""
+    kb = hub.kernels["bob"]
+    lease = lease_of(hub, "bob", kb.id)
+    assert lease is not None
+    bob_server = psutil.Process(server_of(hub, "bob")["pid"])
+    alice_server = server_of(hub, "alice")
+    alice_token = psutil.Process(alice_server["pid"]).environ()["JUPYTERHUB_API_TOKEN"]
+    bob_server.suspend()  # so that alice's report surely comes first
+    try:
+        _restart_broker(hub)
+        ws = forged_connection(hub, alice_token, [
+            "X-GPUSched-Server: alice-second", f"X-GPUSched-Pid: {alice_server['pid']}",
+        ])
+        assert ws, "alice's own server process with its own token may connect"
+        ws.send(json.dumps({"type": "heartbeat", "kernels": {kb.id: {"busy": False, "pid": alice_server["pid"]}}}))
+        answer = json.loads(ws.recv())
+        assert answer["type"] == "error" and "another user" in answer["message"], answer
+        ws.send(json.dumps({"type": "heartbeat", "kernels": {}}))  # and now it is gone, she says
+        time.sleep(2.0)
+        ws.close()
+    finally:
+        bob_server.resume()
+
+    def bob_back():
+        servers = admin_status(hub)["servers"]
+        return any(s["user"] == "bob" and s["connected"] and kb.id in s["kernels"] for s in servers)
+
+    until(bob_back, 60, "bob's server to reconnect with his kernel", hub)
+    again = lease_of(hub, "bob", kb.id)
+    assert again is not None and again["id"] == lease["id"] and again["state"] in ("active", "idle"), again
+    assert visible(kb.execute(VISIBLE)) == lease["devices"][0], "bob's kernel still holds its GPU"
+    code, mine = hub.server("bob", "GET", "api/gpusched/leases")
+    assert code == 200 and [le["id"] for le in mine if le["state"] != "released"] == [lease["id"]]
+    assert_ledger_sound(hub)
+
+
 # -- the idle kernel is the one taken, never a running one ----------------------------------------
 def _cell(seconds: float) -> str:
     return textwrap.dedent(f"""
@@ -227,6 +284,8 @@ def test_the_idle_kernel_is_checkpointed_not_the_one_running_a_cell(hub, run):
     hub.kernels = {}
     until(lambda: not [le for le in admin_status(hub)["leases"] if le["state"] != "released"], 60,
           "the last run's leases to end", hub)
+    until(lambda: all(any(s["user"] == u and s["connected"] for s in admin_status(hub)["servers"]) for u in USERS),
+          90, "every server to be connected", hub)
     ka = hub.kernels["alice"] = start_kernel(hub, "alice")
     kb = hub.kernels["bob"] = start_kernel(hub, "bob")
     kc = hub.kernels["carol"] = start_kernel(hub, "carol")

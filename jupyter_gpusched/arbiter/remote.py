@@ -41,6 +41,8 @@ from .base import BadRequest, Conflict, Forbidden, NoInventory, NotFound
 CONNECT_WAIT = 5.0
 #: The longest pause between two attempts to reach the broker.
 MAX_BACKOFF = 15.0
+#: The longest a claim waits for this server to reconnect to the broker before asking anyway.
+RECONNECT_WAIT = 30.0
 #: Seconds an HTTP call may take beyond the claim's own wait.
 REQUEST_TIMEOUT = 30.0
 
@@ -210,6 +212,20 @@ class BrokerClient(Arbiter):
     @property
     def connected(self) -> bool:
         return self._ws is not None
+
+    async def _until_connected(self, timeout: float) -> None:
+        """Wait (up to ``timeout`` seconds) for this server's connection to the broker.
+
+        The broker grants GPUs only to kernels of a connected server; a claim made while the
+        server reconnects (the broker restarted) waits for the connection instead of being
+        refused. The broker answers for itself when the connection does not come back.
+        """
+        if self._connected is None or self._connected.is_set() or timeout <= 0:
+            return
+        try:
+            await asyncio.wait_for(self._connected.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
 
     # -- the websocket ----------------------------------------------------------------------------
     def _headers(self, who: Principal | None = None) -> dict[str, str]:
@@ -504,6 +520,7 @@ class BrokerClient(Arbiter):
             raise NotFound(f"no running kernel {ask.kernel_id!r} on this server")
         if who.kernel_id is not None:
             self.kernels.asking(ask.kernel_id)
+        await self._until_connected(min(max(ask.wait, 0.0), RECONNECT_WAIT))
         body: dict[str, Any] = {"kernel_id": ask.kernel_id, "priority": ask.priority, "wait": ask.wait}
         for name, value in (("count", ask.count), ("memory", ask.memory), ("mode", ask.mode)):
             if value is not None:
