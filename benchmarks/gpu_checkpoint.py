@@ -14,7 +14,8 @@
    GPU under test, by UUID in ``CUDA_VISIBLE_DEVICES``, as the scheduler binds kernels), fills it
    with a pattern and waits; this package's checkpointer (``reclaim.checkpoint.detect`` on the
    NVML backend: the driver API through ``cuda.bindings``, else the ``cuda-checkpoint`` utility)
-   checkpoints it and restores it, each timed; NVML must no longer list the process on the GPU
+   checkpoints it and restores it, each timed (checkpoint: lock and checkpoint; restore: restore
+   and unlock; with the driver API each call is timed too); NVML must no longer list the process on the GPU
    while it is checkpointed; the child then checks its pattern. Before the child is ended its GPU
    state is checkpointed again (NVIDIA/cuda-checkpoint#53: on driver 595, ending a live restored
    process hung the host; a checkpointed one can be ended safely).
@@ -408,6 +409,9 @@ def _host_available() -> int | None:
     return None
 
 
+_PHASES = ("cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint", "cuCheckpointProcessRestore", "cuCheckpointProcessUnlock")
+
+
 class _TimedDriver:
     """The checkpointer's ``cuda.bindings.driver`` with each ``cuCheckpointProcess*`` call timed."""
 
@@ -417,7 +421,7 @@ class _TimedDriver:
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._driver, name)
-        if not (name.startswith("cuCheckpointProcess") and callable(attr)):
+        if name not in _PHASES or not callable(attr):
             return attr
 
         def timed(*args: Any) -> Any:
@@ -619,6 +623,7 @@ class Measurement:
         finally:
             proc.kill()
             self.data["child_pid"] = None
+            self.save()
         if row.get("status") == PASSED and row.get("ready_s") is not None:
             # Learn the costs, for the next size's time estimate.
             self.startup_s = max(5.0, row["ready_s"] - row.get("fill_s", 0.0))
