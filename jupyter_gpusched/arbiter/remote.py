@@ -41,8 +41,12 @@ from .base import BadRequest, Conflict, Forbidden, NoInventory, NotFound
 CONNECT_WAIT = 5.0
 #: The longest pause between two attempts to reach the broker.
 MAX_BACKOFF = 15.0
-#: The longest a claim waits for this server to reconnect to the broker before asking anyway.
+#: The longest a claim waits for this server to reconnect to the broker before asking anyway, and
+#: the least (a claim that does not wait in the queue still waits for a reconnection under way).
 RECONNECT_WAIT = 30.0
+MIN_RECONNECT_WAIT = 10.0
+#: Seconds between looks for the broker's Unix socket while it is not there.
+ABSENT_POLL = 0.5
 #: Seconds an HTTP call may take beyond the claim's own wait.
 REQUEST_TIMEOUT = 30.0
 
@@ -263,6 +267,11 @@ class BrokerClient(Arbiter):
                 failures += 1  # an untrusted address was logged once by _check_address
                 if self.untrusted is None and failures in (1, 10):
                     self.log.warning("GPU scheduler: %s", exc.message)
+                if self.untrusted is None:
+                    # No socket yet: looking for it again costs nothing, so the server is back
+                    # within moments of the broker.
+                    await asyncio.sleep(ABSENT_POLL)
+                    continue
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF)
                 continue
@@ -520,7 +529,7 @@ class BrokerClient(Arbiter):
             raise NotFound(f"no running kernel {ask.kernel_id!r} on this server")
         if who.kernel_id is not None:
             self.kernels.asking(ask.kernel_id)
-        await self._until_connected(min(max(ask.wait, 0.0), RECONNECT_WAIT))
+        await self._until_connected(max(min(ask.wait, RECONNECT_WAIT), MIN_RECONNECT_WAIT))
         body: dict[str, Any] = {"kernel_id": ask.kernel_id, "priority": ask.priority, "wait": ask.wait}
         for name, value in (("count", ask.count), ("memory", ask.memory), ("mode", ask.mode)):
             if value is not None:
