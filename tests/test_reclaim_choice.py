@@ -294,3 +294,24 @@ async def _settle(s: Scene) -> None:
         if not s.arb.reclaims.inflight and not s.arb.reclaims.restores:
             return
         await asyncio.sleep(0.01)
+
+
+async def test_a_kernel_checkpointed_mid_cell_asks_for_its_gpu_back_on_its_servers_word(scene):
+    """Where a checkpoint did land mid-cell, the kernel's cell needs its GPU again: its server's
+    word that the cell runs is enough to queue the restore (the host does not count it busy)."""
+    s = scene(SchedConfig(idle_timeout=3.0, contended_idle_timeout=2.0, adaptive=False, quotas={"*": 0.5}))
+    await s.arb.tick()
+    s.kernel("bob")
+    bob = await s.claim("bob")
+    pid = s.procs["bob"].pid
+    s.backend.add_process(bob["devices"][0], pid, GiB)
+    await s.arb.tick()
+    await _suspend(s, bob["id"])
+    s.host.said.add("k-bob")  # his server says the cell runs; no evidence, so not counted busy
+    s.clock.advance(1)
+    await s.arb.tick()
+    await _settle(s)
+    lease = s.lease(bob["id"])
+    assert lease.state == LeaseState.ACTIVE, lease.reason
+    assert s.backend.checkpointed(pid) == 0 and pid in s.on_gpu(lease.devices[0])
+    await s.arb.stop()

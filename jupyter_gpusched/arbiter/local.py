@@ -380,11 +380,15 @@ class LocalArbiter(LocalReads, Arbiter):
         return True
 
     def _resume_running(self, tx, leases: list[Lease], activity: Mapping[str, KernelActivity], now: float) -> list[Lease]:
-        """A suspended kernel that runs code anyway (a cell the agent did not see) is restored."""
+        """A suspended kernel that runs code anyway (a cell the agent did not see, or one that a
+        checkpoint overtook) asks for its GPU back: it waits in the queue like any claim and is
+        restored when granted. Its host's word that a cell runs is enough here (a hub broker
+        counts it busy only with evidence): asking again takes nothing from anyone."""
         out = []
         for lease in leases:
             seen = activity.get(lease.kernel_id)
-            if lease.state == LeaseState.SUSPENDED and seen is not None and seen.busy:
+            runs = seen is not None and (seen.busy or lease.kernel_id in self._running)
+            if lease.state == LeaseState.SUSPENDED and runs:
                 lease = core.request_resume(lease, now)
                 tx.put(lease)
                 log.info("lease %s of kernel %s: the kernel runs while suspended; restoring", lease.id, lease.kernel_id)
