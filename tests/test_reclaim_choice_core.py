@@ -48,7 +48,9 @@ class Host:
         self.activity[f"k-{name}"] = KernelActivity(f"k-{name}", busy=busy, last_busy_at=None, gpu_memory=memory)
 
     def tick(self, now):
-        result = plan(self.devices, self.leases.values(), self.activity, now, self.cfg, CHECKPOINT, running=frozenset(self.running))
+        result = plan(
+            self.devices, self.leases.values(), self.activity, now, self.cfg, CHECKPOINT, running=frozenset(self.running)
+        )
         self.leases.update({le.id: le for le in result.leases})
         return result
 

@@ -535,7 +535,10 @@ class _Pass:
                         owner = holding[vid].user
                         why += f" ({owner} used {format_gpu_time(usage.used(owner))} recently)"
                     if holding[vid].kernel_id in running:
-                        why += "; its server says it runs a cell, but no use of CPU or GPU backs that and no idle kernel can serve the claim"
+                        why += (
+                            "; its server says it runs a cell, but no use of CPU or GPU backs that, "
+                            "and no idle kernel can serve the claim"
+                        )
                     chosen[vid] = why
                     vacate(planned, holding[vid], self.by_uuid)
             occupy(planned, evolve(claim, state=LeaseState.ACTIVE, devices=placed[0]), self.by_uuid)
