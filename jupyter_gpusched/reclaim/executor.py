@@ -335,7 +335,6 @@ class ReclaimExecutor:
             )
             if waiting or self.busy(record.lease_id):
                 continue
-            gone = arbiter.known_lease(record.lease_id)
             held_by = _holders(record, live.values())
             if held_by and procs.same_process(record.pid, record.create_time):
                 key = (record.pid, record.create_time, held_by[0].id)
@@ -348,6 +347,7 @@ class ReclaimExecutor:
                         held_by[0].id, held_by[0].kernel_id,
                     )
                 continue
+            gone = arbiter.known_lease(record.lease_id)
             ok = await self.restore_one(record, None, gone or lease or _placeholder(record))
             if ok and procs.same_process(record.pid, record.create_time):
                 log.warning(
