@@ -319,7 +319,10 @@ class RemoteKernels:
                 )
         if server is None:
             server = self._servers[server_id] = RemoteServer(server_id, user, now)
-        if server.pid != pid or server.pid_started != pid_started or server.pid_ns != pid_ns:
+        same_start = (server.pid_started is None) == (pid_started is None) and (
+            pid_started is None or abs(server.pid_started - pid_started) < procs.START_TIME_TOLERANCE
+        )
+        if server.pid != pid or not same_start or server.pid_ns != pid_ns:
             # Another process now speaks for this server id: what the old one reported is void.
             for kernel in server.kernels.values():
                 kernel.pid, kernel.pid_started, kernel.tree, kernel.tree_started = None, None, frozenset(), {}
@@ -437,7 +440,9 @@ class RemoteKernels:
             if problem:
                 problems.append(problem)
         for kernel_id, kernel in list(server.kernels.items()):
-            if kernel_id in seen:
+            if kernel_id in seen or kernel_id in kernels:
+                # An entry that was refused (unreadable, say) is still the server's word that the
+                # kernel exists: only a kernel left out of the heartbeat is forgotten.
                 continue
             if kernel.reported or now - kernel.registered > self.launch_grace:
                 self._forget(kernel_id, "its server no longer reports it")
@@ -814,9 +819,20 @@ class RemoteKernels:
             # processes run; a server that stopped took its kernels with it.
             if kernel.all_pids():
                 return bool(running)
-            return young
+            return True if young else None  # nothing to look at yet: not known to have ended
         # Silent for too long: only GPU processes left behind keep the lease.
         return bool(running & self.gpu_pids())
+
+    def said_running(self, kernel_id: str) -> bool:
+        """The connected server's word that the kernel runs a cell (no evidence asked).
+
+        Not enough to count the kernel busy (see :meth:`executing`), but enough to choose an
+        idle kernel over this one when a waiting claim could take either.
+        """
+        kernel = self._kernels.get(kernel_id)
+        if kernel is None or not kernel.busy:
+            return False
+        return self._connected(self._servers.get(kernel.server_id), self.clock())
 
     def executing(self, kernel_id: str) -> bool:
         """Always False: a server's word that its kernel runs a cell is weighed against the
