@@ -400,7 +400,10 @@ class Hub:
         self.proc = None
         shutil.rmtree(self.socket_dir, ignore_errors=True)
         if self.shared_dir is not None:
-            shutil.rmtree(self.shared_dir, ignore_errors=True)
+            if os.environ.get("GPUSCHED_TEST_KEEP"):
+                print("kept", self.shared_dir)
+            else:
+                shutil.rmtree(self.shared_dir, ignore_errors=True)
 
     def __enter__(self) -> Hub:
         try:

@@ -776,7 +776,14 @@ def test_a_user_cannot_freeze_take_over_or_hide_another_users_gpu_job(hub):
         until(lambda: (lease_of(hub, "carol", kc.id) or {}).get("state") == "suspended", 60,
               "carol's idle lease to be checkpointed", hub)
         assert _sim_held(hub, "checkpoints", kc_pid) == 1 << 30
+        until(lambda: hub.broker("GET", f"leases/{wait['id']}", mallory)[1].get("state") == "active", 30,
+              "the waiter to hold carol's GPU", hub)
         assert hub.server("carol", "DELETE", f"api/gpusched/leases/{kc_lease['id']}")[0] == 204
+        # Its GPU is the waiter's now: the process stays checkpointed rather than share it ...
+        time.sleep(2.0)
+        assert _sim_held(hub, "checkpoints", kc_pid) == 1 << 30, "never restored onto another lease's GPU"
+        # ... until that GPU is free again.
+        assert hub.broker("DELETE", f"leases/{wait['id']}", mallory, headers=forged)[0] == 204
         until(lambda: _sim_held(hub, "checkpoints", kc_pid) == 0, 30, "the process to be restored", hub)
         assert _sim_held(hub, "processes", kc_pid) == 1 << 30, "its GPU memory is back"
         with Ledger(hub.ledger_path) as ledger:

@@ -163,3 +163,39 @@ def test_a_kernel_said_to_run_is_never_taken_over_an_otherwise_equal_idle_one(ke
     if said_taken:
         left = [i for i, (_, said) in enumerate(kernels) if not said and f"h{i}" not in taken]
         assert not left, (kernels, taken)
+
+
+
+def test_a_servers_word_does_not_lift_a_borrowed_lease_above_the_fair_order():
+    """mallory holds two GPUs, one beyond her guaranteed share, and her server says both kernels
+    run cells, for ever, with nothing to show for it. carol holds her one guaranteed GPU, idle,
+    and her second kernel waits. mallory's borrowed lease goes first: the server's word decides
+    only between candidates of the same standing, it does not lift a lease above the fair order."""
+    cfg = replace(CFG, quotas={"*": 1}, usage_half_life=3600.0)
+    devices = gpus(3)
+    leases = {}
+    for lease_id, user, t in (("m1", "mallory", 0.0), ("m2", "mallory", 0.0), ("c1", "carol", 0.0)):
+        lease = new_claim(lease_id, f"k-{lease_id}", user, t)
+        admit(lease, devices, leases.values(), cfg)
+        leases[lease_id] = lease
+    busy = {k: KernelActivity(k, busy=True, last_busy_at=None, gpu_memory=GiB) for k in ("k-m1", "k-m2", "k-c1")}
+
+    def tick(now, activity, running=frozenset()):
+        result = plan(devices, leases.values(), activity, now, cfg, CHECKPOINT, usage={"user:mallory": 7200.0},
+                      running=running)
+        leases.update({le.id: le for le in result.leases})
+        return result
+
+    tick(0.0, busy)
+    assert all(le.holding for le in leases.values())
+    waiting = new_claim("c2", "k-c2", "carol", 1.0)
+    admit(waiting, devices, leases.values(), cfg)
+    leases["c2"] = waiting
+    idle = {k: replace(a, busy=False) for k, a in busy.items()}
+    said = frozenset({"k-m1", "k-m2"})
+    taken = set()
+    for now in (1.0, 5.0, 7.0, 9.0, 11.0):
+        result = tick(now, idle, said)
+        taken |= {d.lease.id for d in result.decisions if d.kind in ("reclaim", "notice")}
+    assert taken & {"m1", "m2"}, f"a borrowed lease of mallory's was taken: {taken}"
+    assert "c1" not in taken, "carol's guaranteed GPU was not taken for her own claim before mallory's borrowed one"

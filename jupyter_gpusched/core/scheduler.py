@@ -472,20 +472,20 @@ class _Pass:
                 self.wake(lease.last_active_at + threshold)
                 if lease.kernel_id not in running:
                     upcoming.append((lease.last_active_at + threshold, lease, anyone))
-        # A kernel whose host says it runs a cell is never taken before an idle one: that word
-        # alone cannot keep a GPU (the host counts it only with evidence, and not for ever), but
-        # between two candidates it decides.
+        # A kernel whose host says it runs a cell is not taken before an otherwise equal idle one:
+        # that word alone cannot keep a GPU (the host counts it only with evidence, and not for
+        # ever), but between two candidates of the same standing it decides. It does not lift a
+        # lease above the fair order: a borrowed lease of the heaviest user still goes first.
         if self.recent:
             # Borrowed leases first, of the user with the most recent usage per guaranteed GPU
             # first; then, as without usage, the longest idle first.
-            def heaviest(item: tuple[float, Lease, bool]) -> tuple:
-                idle_for, lease, _ = item
-                weight = usage.used_ratio(lease.user) if lease.id in borrowed else -1.0
-                return (lease.kernel_id in running, -weight, -idle_for, lease.id)
-
-            eligible.sort(key=heaviest)
+            def standing(lease: Lease) -> tuple:
+                return (-(usage.used_ratio(lease.user) if lease.id in borrowed else -1.0),)
         else:
-            eligible.sort(key=lambda item: (item[1].kernel_id in running, -item[0], item[1].id))
+            def standing(lease: Lease) -> tuple:
+                return ()
+
+        eligible.sort(key=lambda item: (*standing(item[1]), item[1].kernel_id in running, -item[0], item[1].id))
         chosen: dict[str, str] = {}
         # The host as it will be once the chosen victims are gone and the claims before this one
         # hold their devices: two waiting claims must not count on the same freed GPU, and a claim
@@ -522,8 +522,13 @@ class _Pass:
                     found = fit(claim, trial)
                     if found is not None:
                         picked, placed = trial, found
-                if any(holding[vid].kernel_id in running for vid in picked):
-                    soon = self.idle_instead(claim, chosen, eligible, upcoming, fit)
+                said = [holding[vid] for vid in picked if holding[vid].kernel_id in running]
+                if said:
+                    bar = max(standing(lease) for lease in said)
+                    soon = self.idle_instead(
+                        claim, chosen, [e for e in eligible if standing(e[1]) <= bar],
+                        [u for u in upcoming if standing(u[1]) <= bar], fit,
+                    )
                     if soon is not None:
                         self.wake(soon)
                         continue  # the idle kernel's GPU is taken once its time is up
