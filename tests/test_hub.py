@@ -765,6 +765,7 @@ def test_a_user_cannot_freeze_take_over_or_hide_another_users_gpu_job(hub):
         # suspended for a waiting claim (her other kernel computes meanwhile), then her suspended
         # lease is released.
         spin = kc2.submit(VISIBLE + "\nimport time\nt = time.time()\nwhile time.time() - t < 45: pass")
+        until(lambda: seen_busy(hub, "carol", kc2.id), 60, "carol2 computing", hub)
         out = kc.execute("from jupyter_gpusched.devices import simulated\nsimulated.allocate('1GiB')", timeout=90)
         assert out["error"] is None, out
         until(lambda: (lease_of(hub, "carol", kc2.id) or {}).get("state") == "active", 60, "carol2 computing", hub)
