@@ -67,6 +67,8 @@ from typing import Any, Iterable, Mapping
 
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 
+from . import transport
+
 log = logging.getLogger("jupyter_gpusched.kubernetes")
 
 ENV_NODE_BROKERS = "GPUSCHED_NODE_BROKERS"
@@ -359,7 +361,7 @@ class BrokerTrust:
         host = (parts.hostname or "").lower()
         if parts.scheme != "http" or not host:
             return f"{url!r} is not an http(s):// URL"
-        if _is_loopback(host) or self.allows_http(host):
+        if transport.is_loopback(host) or self.allows_http(host):
             return None
         return (
             f"plain http to {host}, which is not this host's loopback address: the service token is not sent "
@@ -410,15 +412,6 @@ def parse_allow_http(spec: str, what: str = ENV_ALLOW_HTTP) -> tuple[str, ...]:
             raise ValueError(f"{what}: {entry!r} is not a host name, an IP address or network, or *")
         out.append(entry)
     return tuple(out)
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _env(name: str) -> str:

@@ -35,6 +35,7 @@ __all__ = [
     "UntrustedBroker",
     "check_socket",
     "client_ssl_context",
+    "is_loopback",
     "parse_broker_url",
     "prepare_socket_dir",
 ]
@@ -45,6 +46,16 @@ UNIX_SCHEMES = ("http+unix", "unix+http")
 UNIX_HOST = "gpusched-broker"
 #: The longest path a Unix domain socket may have (``sun_path`` less its terminating NUL).
 MAX_SOCKET_PATH = 107
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address) is this host's loopback."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class UntrustedBroker(Exception):
@@ -77,13 +88,7 @@ class BrokerAddress:
         """Plain HTTP to an address of this host, which any local user may hold while it is free."""
         if self.socket_path is not None or self.tls:
             return False
-        host = urllib.parse.urlsplit(self.base).hostname or ""
-        if host == "localhost":
-            return True
-        try:
-            return ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            return False
+        return is_loopback(urllib.parse.urlsplit(self.base).hostname or "")
 
     def where(self) -> str:
         """The address for people: the socket's path, or the URL."""
