@@ -112,15 +112,19 @@ class Hooks:
         message, self.abort = self.abort, None
         return message
 
-    def before_cell(self) -> None:
-        """Make sure the kernel holds (and is bound to) its lease before a cell runs."""
-        agent = self.agent
-        settings = agent.settings
-        lease = agent._current()
+    def past_checkpoint(self, lease: dict | None) -> tuple[dict | None, str | None]:
+        """The lease and its state once a checkpoint under way (if any) has landed."""
         state = lease.get("state") if lease else None
         if state == LeaseState.RECLAIMING and lease.get("reclaim_step") == ReclaimStep.CHECKPOINT:
             lease = self.await_checkpoint(lease)
             state = lease.get("state") if lease else None
+        return lease, state
+
+    def before_cell(self) -> None:
+        """Make sure the kernel holds (and is bound to) its lease before a cell runs."""
+        agent = self.agent
+        settings = agent.settings
+        lease, state = self.past_checkpoint(agent._current())
         if state in HOLDING:
             agent.binding.ensure(lease)
             return
@@ -229,11 +233,7 @@ class Hooks:
             GPUSchedError: the state could not be restored (the server says why).
         """
         agent = self.agent
-        lease = agent.refresh()
-        state = lease.get("state") if lease else None
-        if state == LeaseState.RECLAIMING and lease.get("reclaim_step") == ReclaimStep.CHECKPOINT:
-            lease = self.await_checkpoint(lease)
-            state = lease.get("state") if lease else None
+        lease, state = self.past_checkpoint(agent.refresh())
         if state in HOLDING:
             return  # restored already (by the server, or another thread of the cell)
         if state not in (LeaseState.SUSPENDED, LeaseState.PENDING):
