@@ -5,6 +5,12 @@ device whose free promised memory fits them most tightly (best fit), so that lar
 for large claims. Multi-GPU claims prefer devices of one ``group`` (NVLink clique or PCIe switch).
 A physical GPU split into MIG instances is never handed out whole; drained and lost devices are
 never chosen.
+
+A claim that restores a checkpoint (a suspended lease resumed) must also find its checkpoint's
+size, plus :data:`RESTORE_MARGIN`, in the GPU's real free memory: memory that processes outside
+the leases holding the GPU use (a job started outside Jupyter, a kernel that gave its lease back
+and kept its memory) counts as taken. A restore into too little memory fails in the driver and
+can leave the process stuck checkpointed for good (NVIDIA/cuda-checkpoint#44).
 """
 
 from __future__ import annotations
@@ -12,16 +18,32 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Iterable, Sequence
 
-from .model import EXCLUSIVE, Device, Lease
+from .model import EXCLUSIVE, GiB, Device, Lease
+
+#: Free memory a restore needs on each GPU beyond its checkpoint's share: the driver's own
+#: context and what the restore allocates while it copies (bytes).
+RESTORE_MARGIN = GiB // 2
 
 
 @dataclass(frozen=True)
 class Occupancy:
-    """What the live leases have been promised on one device."""
+    """What the live leases have been promised on one device, and what processes outside them
+    use there (``outside``: the device's memory used less what the holders' kernels hold)."""
 
     exclusive: bool
     promised: int
     holders: int
+    outside: int = 0
+
+
+def held_per_device(lease: Lease) -> int:
+    """Bytes a holding lease's kernel holds on each of its GPUs (its total spread evenly)."""
+    return -(-(lease.memory_held or 0) // max(1, len(lease.devices)))
+
+
+def outside_memory(device: Device, held: int) -> int:
+    """Bytes used on ``device`` by processes outside the leases that hold it."""
+    return max(0, (device.memory_used or 0) - held)
 
 
 def occupancy(devices: Sequence[Device], leases: Iterable[Lease]) -> dict[str, Occupancy]:
@@ -30,6 +52,7 @@ def occupancy(devices: Sequence[Device], leases: Iterable[Lease]) -> dict[str, O
     excl: dict[str, bool] = {d.uuid: False for d in devices}
     promised: dict[str, int] = {d.uuid: 0 for d in devices}
     holders: dict[str, int] = {d.uuid: 0 for d in devices}
+    held: dict[str, int] = {d.uuid: 0 for d in devices}
     for lease in leases:
         if not lease.holding:
             continue
@@ -41,7 +64,10 @@ def occupancy(devices: Sequence[Device], leases: Iterable[Lease]) -> dict[str, O
             if lease.mode == EXCLUSIVE:
                 excl[uuid] = True
             promised[uuid] += lease.promised_memory(device)
-    return {u: Occupancy(excl[u], promised[u], holders[u]) for u in by_uuid}
+            held[uuid] += held_per_device(lease)
+    return {
+        u: Occupancy(excl[u], promised[u], holders[u], outside_memory(d, held[u])) for u, d in by_uuid.items()
+    }
 
 
 def occupy(occ: dict[str, Occupancy], lease: Lease, devices: Mapping[str, Device]) -> None:
@@ -65,6 +91,7 @@ def _shift(occ: dict[str, Occupancy], lease: Lease, devices: Mapping[str, Device
             (old.exclusive or exclusive) if sign > 0 else (old.exclusive and not exclusive),
             max(0, old.promised + sign * lease.promised_memory(device)),
             max(0, old.holders + sign),
+            old.outside,
         )
 
 
@@ -72,6 +99,15 @@ def schedulable(devices: Sequence[Device]) -> list[Device]:
     """Healthy devices, without physical GPUs that are split into MIG instances."""
     parents = {d.parent for d in devices if d.parent}
     return [d for d in devices if d.schedulable and d.uuid not in parents]
+
+
+def restore_need(lease: Lease) -> int | None:
+    """Free bytes each GPU needs to take ``lease``'s checkpoint back (its share of the
+    checkpoint plus :data:`RESTORE_MARGIN`); ``None`` if the lease restores nothing or the
+    checkpoint's size is unknown."""
+    if not lease.home or lease.memory_held is None:
+        return None
+    return -(-lease.memory_held // max(1, len(lease.home))) + RESTORE_MARGIN
 
 
 def fits(device: Device, occ: Occupancy, lease: Lease) -> bool:
@@ -82,10 +118,26 @@ def fits(device: Device, occ: Occupancy, lease: Lease) -> bool:
     # "40GiB" claim must not land on a 10 GiB MIG slice.
     if lease.memory is not None and lease.memory > device.memory_total:
         return False
+    restoring = restore_need(lease) if lease.home else None
     if lease.mode == EXCLUSIVE:
-        return occ.holders == 0
+        if occ.holders != 0:
+            return False
+        return restoring is None or restoring <= device.memory_total - occ.outside
     need = lease.promised_memory(device)
+    if restoring is not None:
+        return occ.promised + max(need, restoring) <= device.memory_total - occ.outside
     return occ.promised + need <= device.memory_total
+
+
+def restore_short(device: Device, occ: Occupancy, lease: Lease) -> int | None:
+    """Free bytes ``device`` has for ``lease``'s restore when that is all that keeps the restore
+    off it (it fits by the leases' books but its real free memory is too small); else ``None``."""
+    need = restore_need(lease)
+    if need is None or not occ.outside or fits(device, occ, lease):
+        return None
+    if not fits(device, Occupancy(occ.exclusive, occ.promised, occ.holders), lease):
+        return None
+    return max(0, device.memory_total - occ.outside - (occ.promised if lease.mode != EXCLUSIVE else 0))
 
 
 def _load_key(device: Device) -> tuple:

@@ -26,7 +26,20 @@ from .model import (
     Step,
     evolve,
 )
-from .placement import Occupancy, _load_key, fits, occupy, place, schedulable, vacate
+from .placement import (
+    Occupancy,
+    _load_key,
+    fits,
+    held_per_device,
+    occupy,
+    outside_memory,
+    place,
+    restore_need,
+    restore_short,
+    schedulable,
+    vacate,
+)
+from .placement import RESTORE_MARGIN
 from .units import format_bytes, format_duration, format_gpu_time
 
 
@@ -73,15 +86,17 @@ class _Host:
         self.pool_by_load = sorted(self.pool, key=_load_key)
         self.grouped = any(d.group is not None for d in self.pool)
         # One record per distinct occupancy of a device: most held devices are alike.
-        self.occupancies: dict[tuple[bool, int, int], Occupancy] = {}
+        self.occupancies: dict[tuple[bool, int, int, int], Occupancy] = {}
+        # Devices whose processes use memory (a restore counts it against the checkpoint).
+        self.used = {d.uuid: d for d in devices if d.memory_used}
 
-    def occupancy_of(self, exclusive: bool, promised: int, holders: int) -> Occupancy:
-        key = (exclusive, promised, holders)
+    def occupancy_of(self, exclusive: bool, promised: int, holders: int, outside: int = 0) -> Occupancy:
+        key = (exclusive, promised, holders, outside)
         found = self.occupancies.get(key)
         if found is None:
             if len(self.occupancies) >= 4096:
                 self.occupancies.clear()
-            found = self.occupancies[key] = Occupancy(exclusive, promised, holders)
+            found = self.occupancies[key] = Occupancy(exclusive, promised, holders, outside)
         return found
 
 
@@ -195,17 +210,24 @@ class _Pass:
                 if device is None:
                     continue
                 promised = device.memory_total if memory is None else memory
+                held = held_per_device(lease) if lease.memory_held else 0
                 count = counts.get(uuid)
                 if count is None:
-                    counts[uuid] = [exclusive, promised, 1]
+                    counts[uuid] = [exclusive, promised, 1, held]
                 else:
                     count[2] += 1
                     if exclusive:
                         count[0] = True
                     count[1] += promised
+                    count[3] += held
         make = self.host.occupancy_of
-        for uuid, (exclusive, promised, holders) in counts.items():
-            occ[uuid] = make(exclusive, promised, holders)
+        used = self.host.used
+        for uuid, device in used.items():
+            if uuid not in counts:
+                occ[uuid] = make(False, 0, 0, outside_memory(device, 0))
+        for uuid, (exclusive, promised, holders, held) in counts.items():
+            device = used.get(uuid)
+            occ[uuid] = make(exclusive, promised, holders, outside_memory(device, held) if device else 0)
         return occ
 
     def pinned(self, lease: Lease) -> bool:
@@ -303,20 +325,40 @@ class _Pass:
     ):
         """Where ``lease`` would go now (a restore goes home, or to the same model with remap),
         keeping off the devices in ``avoid``. ``occ`` is the occupancy of ``leases`` if known."""
-        if occ is not None and lease.mode == EXCLUSIVE and not self.host.grouped:
-            return self.exclusive_placement(lease, avoid, occ)
-        allowed = [d.uuid for d in self.devices if d.uuid not in avoid] if avoid else None
         if lease.home:
-            home = [self.by_uuid[u] for u in lease.home if u in self.by_uuid]
-            if self.caps.remap:
-                return place(
-                    lease, self.devices, leases, same_model_as=home or (), only=allowed, occ=occ, pool=self.pool
-                )
-            home_only = [u for u in lease.home if u not in avoid]
-            return place(lease, self.devices, leases, only=home_only, occ=occ, pool=self.pool)
-        return place(lease, self.devices, leases, only=allowed, occ=occ, pool=self.pool)
+            # Home first: a restore onto the GPUs it came from needs no remap.
+            home_only = frozenset(u for u in lease.home if u not in avoid)
+            found = self._placement(lease, leases, home_only, None, occ)
+            if found is not None or not self.may_remap(lease):
+                return found
+            models = frozenset(self.by_uuid[u].name for u in lease.home)
+            return self._placement(lease, leases, None, models, occ, avoid)
+        return self._placement(lease, leases, None, None, occ, avoid)
 
-    def exclusive_placement(self, lease: Lease, avoid: AbstractSet[str], occ):
+    def may_remap(self, lease: Lease) -> bool:
+        """Whether a restore of ``lease`` may go onto GPUs other than its own, by the driver's
+        rules: the checkpointer can remap, every GPU of the lease is known here and of one model,
+        and the lease asks for as many GPUs as it had (the map must cover every one of them)."""
+        if not self.caps.remap or not lease.home or lease.count != len(lease.home):
+            return False
+        home = [self.by_uuid.get(u) for u in lease.home]
+        return all(d is not None for d in home) and len({d.name for d in home}) == 1
+
+    def _placement(self, lease: Lease, leases, only, models, occ, avoid: AbstractSet[str] = frozenset()):
+        """``placement_for`` within ``only`` (uuids) or ``models`` (device names), off ``avoid``."""
+        if occ is not None and lease.mode == EXCLUSIVE and not self.host.grouped:
+            return self.exclusive_placement(lease, avoid, occ, only, models)
+        if only is not None:
+            allowed = [u for u in only if u not in avoid]
+        else:
+            allowed = [d.uuid for d in self.devices if d.uuid not in avoid] if avoid else None
+        same = [d for d in self.devices if d.name in models] if models else ()
+        return place(lease, self.devices, leases, same_model_as=same, only=allowed, occ=occ, pool=self.pool)
+
+    def exclusive_placement(
+        self, lease: Lease, avoid: AbstractSet[str], occ, allowed: AbstractSet[str] | None = None,
+        models: AbstractSet[str] | None = None,
+    ):
         """``placement_for`` an exclusive claim on a host without device groups.
 
         Placement ranks the devices such a claim fits on by load and takes the first ``count``;
@@ -324,12 +366,6 @@ class _Pass:
         that the claim may use, and placement is asked to choose among those alone: the same
         choice, without testing and sorting every device of a large host.
         """
-        allowed: AbstractSet[str] | None = None
-        models: set[str] | None = None
-        if lease.home and not self.caps.remap:
-            allowed = {u for u in lease.home if u not in avoid}
-        elif lease.home:
-            models = {self.by_uuid[u].name for u in lease.home if u in self.by_uuid} or None
         found: list[Device] = []
         need = lease.count
         if need > 0:
@@ -351,12 +387,11 @@ class _Pass:
         """Every device ``lease`` could be placed on when nobody holds it."""
         empty = Occupancy(False, 0, 0)
         out = {d.uuid for d in self.pool if fits(d, empty, lease)}
-        if lease.home and not self.caps.remap:
+        if lease.home and not self.may_remap(lease):
             out &= set(lease.home)
         elif lease.home:
-            models = {self.by_uuid[u].name for u in lease.home if u in self.by_uuid}
-            if models:
-                out = {u for u in out if self.by_uuid[u].name in models}
+            models = {self.by_uuid[u].name for u in lease.home}
+            out = {u for u in out if self.by_uuid[u].name in models}
         return out
 
     def could_fit(self, lease: Lease) -> bool:
@@ -365,7 +400,7 @@ class _Pass:
         For a restore that must go back to its home GPU this asks whether that GPU is healthy,
         not merely whether the host has enough GPUs.
         """
-        key = (lease.count, lease.memory, lease.mode, lease.home)
+        key = (lease.count, lease.memory, lease.mode, lease.home, lease.memory_held if lease.home else None)
         known = self._could_fit.get(key)
         if known is None:
             known = self._could_fit[key] = self.placement_for(lease, (), occ=self.empty_occ) is not None
@@ -393,7 +428,7 @@ class _Pass:
                     reserved.update(self.usable(lease))
                 elif possible:
                     self.wake(lease.queued_at + self.cfg.backfill_wait)
-                why = self.why_waiting(lease, possible)
+                why = self.why_waiting(lease, possible, self.room_short(lease, occ, reserved))
                 if why != lease.reason:
                     self.set(evolve(lease, reason=why))
                 return False
@@ -424,14 +459,40 @@ class _Pass:
         queue = fairness.fair_order(pending, usage, self.now, self.cfg, serve=serve, keys=self.keys)
         return queue, blocked
 
-    def why_waiting(self, lease: Lease, possible: bool) -> str:
-        if not possible and lease.home and not self.caps.remap:
+    def room_short(self, lease: Lease, occ, avoid: AbstractSet[str]) -> str | None:
+        """Why a restore waits when the GPUs it may use are free by the leases' books but lack
+        the real free memory for its checkpoint (None: that is not what keeps it waiting)."""
+        need = restore_need(lease)
+        if need is None:
+            return None
+        short = []
+        for uuid in sorted(self.usable(lease) - set(avoid)):
+            device = self.by_uuid[uuid]
+            free = restore_short(device, occ[uuid], lease)
+            if free is not None:
+                short.append((device.index, free, occ[uuid].outside))
+        if not short:
+            return None
+        per_gpu = " per GPU" if len(lease.home) > 1 else ""
+        index, free, outside = min(short, key=lambda item: (-item[1], item[0]))
+        return (
+            f"waiting for room to restore: GPU {index} has {format_bytes(free)} free, too little for its "
+            f"{format_bytes(need - RESTORE_MARGIN)}{per_gpu} checkpoint (and a {format_bytes(RESTORE_MARGIN)} "
+            f"margin): processes outside any lease use {format_bytes(outside)} there; it is restored once "
+            "enough memory is free"
+        )
+
+    def why_waiting(self, lease: Lease, possible: bool, short: str | None = None) -> str:
+        remap = self.may_remap(lease)
+        if not possible and lease.home and not remap:
             return "waiting: the GPU it was checkpointed from is drained or lost, and it can be restored only there"
         if not possible and lease.home:
             return "waiting: not enough healthy GPUs of the model it was checkpointed on (drained or lost)"
         if not possible:
             return "waiting: not enough healthy GPUs can hold this claim right now (drained or lost)"
-        if lease.home and not self.caps.remap:
+        if short is not None:
+            return short
+        if lease.home and not remap:
             return "waiting for the GPU it was checkpointed from to be free"
         return "waiting for a GPU"
 
