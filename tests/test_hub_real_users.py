@@ -198,6 +198,9 @@ def test_after_a_restart_another_users_server_cannot_take_a_kernel_id(hub):
     """alice knows bob's kernel id. The broker restarts, and her server speaks first: it reports
     bob's kernel as hers, then leaves it out. bob keeps his kernel and its lease."""
     kb = hub.kernels["bob"]
+    # bob's kernel holds GPU memory: its lease is not given up while it idles.
+    out = kb.execute("from jupyter_gpusched.devices import simulated\nsimulated.allocate('1GiB')\n" + VISIBLE)
+    assert out["error"] is None and visible(out), out
     lease = lease_of(hub, "bob", kb.id)
     assert lease is not None
     bob_server = psutil.Process(server_of(hub, "bob")["pid"])

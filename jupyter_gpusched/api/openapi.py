@@ -168,7 +168,14 @@ SCHEMAS = {
             "parent_uuid": {"type": ["string", "null"], "description": "physical GPU of a MIG instance"},
             "mig_profile": {"type": ["string", "null"]},
             "lease_ids": {"type": "array", "items": {"type": "string"}},
-            "processes": {"type": "array", "items": {"$ref": "#/components/schemas/Process"}},
+            "processes": {
+                "type": "array",
+                "items": {"$ref": "#/components/schemas/Process"},
+                "description": (
+                    "the GPU's processes; a hub user who is not an admin, where show_holders is off, sees "
+                    "only their own kernels' processes"
+                ),
+            },
         },
     },
     "Lease": {

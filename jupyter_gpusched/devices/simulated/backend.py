@@ -78,6 +78,19 @@ class SimulatedBackend(DeviceBackend):
                 "point c.GPUSchedApp.simulated_state_path at a writable place"
             ) from None
         log.info("simulated backend: %s device(s), state in %s", len(self.devices), self.state_path)
+        # A file shared with other users' kernels keeps one connection open while the backend
+        # lives: SQLite then never deletes and makes again its side files (-wal, -shm), and a
+        # kernel of one user never meets, in the moment between their creation and their chmod,
+        # a side file another user's kernel just made that it may only read.
+        self._keeper: sqlite3.Connection | None = None
+        if allow_shared:
+            self._keeper = sqlite3.connect(self.state_path, timeout=30, check_same_thread=False)
+            self._keeper.execute("SELECT count(*) FROM devices").fetchone()
+
+    def close(self) -> None:
+        if self._keeper is not None:
+            self._keeper.close()
+            self._keeper = None
 
     def env(self) -> dict[str, str]:
         """Environment a kernel needs to use these simulated GPUs."""
