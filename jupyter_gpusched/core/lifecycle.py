@@ -143,6 +143,25 @@ def request_resume(lease: Lease, now: float) -> Lease:
     )
 
 
+def restore_deferred(lease: Lease, now: float, reason: str) -> Lease:
+    """A restore granted GPUs could not be carried out there (too little free memory when it
+    came to it, or GPUs the checkpointer cannot map onto): the lease waits again, in its place in
+    the queue, with its checkpoint kept."""
+    if lease.state not in HOLDING or not lease.home:
+        raise ConflictError(f"lease {lease.id} is {lease.state.value}, not a restore under way")
+    return replace(
+        lease,
+        state=LeaseState.PENDING,
+        devices=(),
+        granted_at=None,
+        busy=False,
+        reclaim_at=None,
+        reclaim_step=None,
+        reason=reason,
+        version=lease.version + 1,
+    )
+
+
 def released(lease: Lease, now: float, reason: str) -> Lease:
     """The lease is over; released twice is released once."""
     if lease.state == LeaseState.RELEASED:

@@ -213,3 +213,22 @@ def capacity_for(lease: Lease, devices: Sequence[Device]) -> int:
     """How many devices could ever hold a claim like this one (ignoring who holds them now)."""
     empty = Occupancy(False, 0, 0)
     return sum(1 for d in schedulable(devices) if fits(d, empty, lease))
+
+def device_map(home: Sequence[str], targets: Sequence[str], models: Mapping[str, str]) -> dict[str, str] | None:
+    """The map (old uuid -> new uuid) a restore from ``home`` onto ``targets`` hands the driver,
+    by its rules: every GPU of ``home`` is mapped, each onto a GPU of the same model (``models``:
+    uuid -> device name), a GPU that is in both onto itself. ``None`` where no such map exists."""
+    if len(home) != len(targets) or len(set(targets)) != len(targets):
+        return None
+    out = {u: u for u in home if u in targets}
+    left = [t for t in targets if t not in out]
+    for old in home:
+        if old in out:
+            continue
+        model = models.get(old)
+        new = next((t for t in left if model is not None and models.get(t) == model), None)
+        if new is None:
+            return None
+        left.remove(new)
+        out[old] = new
+    return out

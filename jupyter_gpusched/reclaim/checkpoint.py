@@ -13,10 +13,12 @@ memory cannot be checkpointed; the driver then refuses and the ladder falls thro
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import shutil
 import subprocess
-from typing import Mapping
+from typing import Iterator, Mapping
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +30,30 @@ LOCK_TIMEOUT_MS = 30_000
 
 class CheckpointError(RuntimeError):
     """A checkpoint or restore was refused or failed; the message says why."""
+
+
+class RestoreNoRoom(CheckpointError):
+    """A restore found too little free memory on a target GPU; the process stays checkpointed
+    and can be restored once there is room (the simulated backend rolls such a restore back).
+    On a real driver (580) a process whose restore ran out of memory may refuse every later
+    restore (NVIDIA/cuda-checkpoint#44): the next try then fails with a plain CheckpointError,
+    which is why the server restores only where the checkpoint fits with a margin."""
+
+
+#: CUresult of a driver call that ran out of device memory.
+CUDA_ERROR_OUT_OF_MEMORY = 2
+
+
+@contextlib.contextmanager
+def _as_checkpoint_error(what: str) -> Iterator[None]:
+    """Any exception but a CheckpointError leaves as one, saying what was being done: a
+    checkpointer's callers handle CheckpointError alone."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a checkpointer fails only with CheckpointError
+        raise CheckpointError(f"{what}: {type(exc).__name__}: {exc}") from exc
 
 
 class Checkpointer:
@@ -63,7 +89,15 @@ class SimulatedCheckpointer(Checkpointer):
         return self.backend.checkpoint(pid)
 
     def restore(self, pid: int, device_map: Mapping[str, str] | None = None) -> None:
-        self.backend.restore(pid, dict(device_map) if device_map else None)
+        from ..devices.simulated import SimulatedOutOfMemory
+
+        with _as_checkpoint_error(f"restore of process {pid}"):
+            try:
+                self.backend.restore(pid, dict(device_map) if device_map else None)
+            except SimulatedOutOfMemory as exc:
+                # As the driver answers CUDA_ERROR_OUT_OF_MEMORY; the simulated restore is all or
+                # nothing, so the process is still checkpointed.
+                raise RestoreNoRoom(f"restore of process {pid}: {exc}") from exc
 
 
 class DriverCheckpointer(Checkpointer):
@@ -76,9 +110,13 @@ class DriverCheckpointer(Checkpointer):
         self.remap = hasattr(driver, "CUcheckpointGpuPair")
 
     def _call(self, name: str, *args) -> None:
-        result = getattr(self.driver, name)(*args)
-        err = result[0] if isinstance(result, tuple) else result
-        if int(err) != 0:
+        with _as_checkpoint_error(f"{name} for process {args[0] if args else '?'}"):
+            result = getattr(self.driver, name)(*args)
+            err = result[0] if isinstance(result, tuple) else result
+            code = int(err)
+        if code == CUDA_ERROR_OUT_OF_MEMORY and name == "cuCheckpointProcessRestore":
+            raise RestoreNoRoom(f"{name} failed: {err!r}")
+        if code != 0:
             raise CheckpointError(f"{name} failed: {err!r}")
 
     def checkpoint(self, pid: int) -> int | None:
@@ -94,31 +132,40 @@ class DriverCheckpointer(Checkpointer):
 
     def restore(self, pid: int, device_map: Mapping[str, str] | None = None) -> None:
         args = None
+        # The buffers behind the map's UUIDs: alive until the driver has read them.
+        keep: list = []
         if device_map and any(old != new for old, new in device_map.items()):
             if not self.remap:
                 raise CheckpointError("this driver cannot restore onto another GPU")
-            args = self._remap_args(device_map)
+            with _as_checkpoint_error(f"the GPU map for process {pid}"):
+                args = self._remap_args(device_map, keep)
         self._call("cuCheckpointProcessRestore", pid, args)
+        del keep
         self._call("cuCheckpointProcessUnlock", pid, None)
 
-    def _remap_args(self, device_map: Mapping[str, str]):
+    def _remap_args(self, device_map: Mapping[str, str], keep: list):
         pairs = []
         for old, new in device_map.items():
             pair = self.driver.CUcheckpointGpuPair()
-            pair.oldUuid = _cu_uuid(self.driver, old)
-            pair.newUuid = _cu_uuid(self.driver, new)
+            pair.oldUuid = _cu_uuid(self.driver, old, keep)
+            pair.newUuid = _cu_uuid(self.driver, new, keep)
             pairs.append(pair)
         args = self.driver.CUcheckpointRestoreArgs()
         args.gpuPairs = pairs
         args.gpuPairsCount = len(pairs)
+        keep.append(pairs)
         return args
 
 
-def _cu_uuid(driver, text: str):
-    uuid = driver.CUuuid()
+def _cu_uuid(driver, text: str, keep: list):
+    """``driver.CUuuid`` of a ``GPU-xxxxxxxx-...`` UUID. Its ``bytes`` cannot be set (cuda-bindings
+    13 has no setter): the struct is built over a 16-byte buffer, which ``keep`` holds alive."""
     raw = bytes.fromhex(text.split("-", 1)[1].replace("-", ""))
-    uuid.bytes = raw
-    return uuid
+    if len(raw) != 16:
+        raise CheckpointError(f"{text!r} is not a GPU UUID")
+    buf = ctypes.create_string_buffer(raw, 16)
+    keep.append(buf)
+    return driver.CUuuid(ctypes.addressof(buf))
 
 
 class UtilityCheckpointer(Checkpointer):
@@ -134,7 +181,8 @@ class UtilityCheckpointer(Checkpointer):
         cmd = [self.path, "--action", action, "--pid", str(pid)]
         if action == "lock":
             cmd += ["--timeout", str(LOCK_TIMEOUT_MS)]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+        with _as_checkpoint_error(" ".join(cmd[1:])):
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
         if done.returncode != 0:
             raise CheckpointError(f"cuda-checkpoint --action {action} --pid {pid}: {done.stderr.strip()}")
 

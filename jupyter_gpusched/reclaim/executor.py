@@ -21,8 +21,11 @@ from .. import core, procs
 from ..arbiter.base import ArbiterEvent, Conflict, notice
 from ..core import Lease, LeaseState, Step, ladder
 from ..core.ladder import checkpoint_bytes
+from ..core import lifecycle
+from ..core.placement import RESTORE_MARGIN, device_map
+from ..devices.base import InventoryUnavailable
 from ..ledger import Checkpoint
-from .checkpoint import CheckpointError
+from .checkpoint import CheckpointError, RestoreNoRoom
 
 if TYPE_CHECKING:
     from ..arbiter.local import LocalArbiter
@@ -270,48 +273,165 @@ class ReclaimExecutor:
     async def restore_one(self, record: Checkpoint, device_map: Mapping[str, str] | None, lease: Lease) -> bool:
         """Restore one checkpointed process (if it still runs) and forget its checkpoint.
 
-        Returns False if the restore failed; the checkpoint is forgotten either way, as the driver
-        gives no second try (the process's GPU state is lost then, and the log says so).
+        Returns False if it was not restored. A restore that found too little free GPU memory
+        (:class:`RestoreNoRoom`) left the process checkpointed: its checkpoint is kept, to be
+        restored when there is room. Any other failure forgets it, as the driver gives no second
+        try (the process's GPU state is lost then, and the log says so).
         """
+        return await self._restore_record(record, device_map, lease) in (_RESTORED, _GONE)
+
+    async def _restore_record(self, record: Checkpoint, device_map: Mapping[str, str] | None, lease: Lease) -> str:
+        """:meth:`restore_one`, saying what became of the process: restored, gone (it ended, so
+        there was nothing to restore), no room (still checkpointed) or lost."""
+        keep = False
         try:
-            if procs.same_process(record.pid, record.create_time):
-                await asyncio.to_thread(self.arbiter.checkpointer.restore, record.pid, device_map)
-            return True
+            if not procs.same_process(record.pid, record.create_time):
+                return _GONE
+            await asyncio.to_thread(self.arbiter.checkpointer.restore, record.pid, device_map)
+            return _RESTORED
+        except RestoreNoRoom as exc:
+            keep = True
+            log.warning(
+                "lease %s of kernel %s: pid %s stays checkpointed, the restore found too little GPU memory: %s",
+                lease.id, lease.kernel_id, record.pid, exc,
+            )
+            return _NO_ROOM
         except CheckpointError as exc:
             log.error(
                 "lease %s of kernel %s: restoring pid %s failed, its GPU state is lost: %s",
                 lease.id, lease.kernel_id, record.pid, exc,
             )
-            return False
+            return _LOST
         finally:
-            await asyncio.to_thread(self._drop, record)
+            if not keep:
+                await asyncio.to_thread(self._drop, record)
+
+    def room_short(self, snapshot, needs: Mapping[str, int]) -> str | None:
+        """Why a restore must wait: a target GPU's free memory (what its processes leave, leased
+        or not) is below what the checkpoint needs there (``needs``: uuid -> bytes, margin
+        included); None where every target has room, or its memory in use is not reported."""
+        by_uuid = {d.uuid: d for d in snapshot}
+        for uuid, need in sorted(needs.items()):
+            device = by_uuid.get(uuid)
+            if device is None or device.memory_used is None:
+                continue
+            free = max(0, device.memory_total - device.memory_used)
+            if need > free:
+                return (
+                    f"waiting for room to restore: GPU {device.index} has {core.format_bytes(free)} free, too little "
+                    f"for its {core.format_bytes(need - RESTORE_MARGIN)} checkpoint (and a "
+                    f"{core.format_bytes(RESTORE_MARGIN)} margin); it is restored once enough memory is free"
+                )
+        return None
+
+    async def _snapshot(self):
+        """The GPUs as they are now (a restore decides on them), or as last seen."""
+        backend = self.arbiter.backend
+        if backend is None:
+            return self.arbiter.state.snapshot
+        try:
+            return await asyncio.to_thread(backend.snapshot)
+        except InventoryUnavailable:
+            return self.arbiter.state.snapshot
+
+    def why_not_here(self, lease: Lease, snapshot) -> tuple[dict[str, str] | None, str | None]:
+        """The device map for restoring ``lease`` onto the GPUs it was granted, or why it cannot
+        go there (the driver's rules: same model, every GPU mapped; a checkpointer that cannot
+        remap restores only onto the GPUs the checkpoint came from)."""
+        models = {d.uuid: d.name for d in snapshot}
+        mapping = device_map(lease.home, lease.devices, models)
+        if mapping is None:
+            return None, (
+                "waiting: the GPUs it was granted do not match the GPUs its checkpoint came from one for one "
+                "by model, as a restore onto other GPUs needs"
+            )
+        moved = any(old != new for old, new in mapping.items())
+        if moved and not self.arbiter.checkpointer.remap:
+            return None, (
+                "waiting for the GPU it was checkpointed from to be free: this server's checkpointer "
+                "cannot restore onto another GPU"
+            )
+        return mapping, None
 
     async def restore(self, lease: Lease) -> None:
+        """Restore a resumed lease's processes onto the GPUs it was granted, if the checkpoint
+        fits there; otherwise it waits again (its checkpoint kept). Whatever happens, the lease
+        says so before the claim waiting on it is answered, and nothing escapes this task."""
         arbiter = self.arbiter
-        device_map = dict(zip(lease.home, lease.devices))
-        records = await asyncio.to_thread(arbiter.ledger.checkpoints, lease.id)
-        failed = []
         try:
-            for record in records:
-                if not await self.restore_one(record, device_map, lease):
-                    failed.append(record.pid)
+            await self._restore(lease)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - a restore's failure must reach the lease, not the loop
+            log.exception("lease %s of kernel %s: the restore failed unexpectedly", lease.id, lease.kernel_id)
+            why = "waiting: the restore could not be carried out this time (see the server log); it is tried again"
+            try:
+                await self._defer(lease, why)
+            except Exception:  # noqa: BLE001
+                log.exception("lease %s of kernel %s: could not write that the restore waits", lease.id, lease.kernel_id)
         finally:
             self.restores.pop(lease.id, None)
+            arbiter.wake(lease.id)
+
+    async def _defer(self, lease: Lease, why: str) -> None:
+        log.info("lease %s of kernel %s: restore onto %s waits: %s", lease.id, lease.kernel_id, ",".join(lease.devices), why)
+        await self.arbiter.update(lease, _if_granted(lease, lambda cur, now: lifecycle.restore_deferred(cur, now, why)))
+
+    async def _restore(self, lease: Lease) -> None:
+        arbiter = self.arbiter
+        records = await asyncio.to_thread(arbiter.ledger.checkpoints, lease.id)
+        snapshot = await self._snapshot()
+        mapping, why = self.why_not_here(lease, snapshot)
+        if why is None:
+            live = [r for r in records if procs.same_process(r.pid, r.create_time)]
+            why = self.room_short(snapshot, _restore_needs(lease, live))
+        if why is not None:
+            await self._defer(lease, why)
+            return
+        failed: list[int] = []
+        restored: list[Checkpoint] = []
+        for record in records:
+            outcome = await self._restore_record(record, mapping, lease)
+            if outcome == _NO_ROOM:
+                # All or nothing: the processes already back go back to the host with this one.
+                await self._checkpoint_again(restored, lease)
+                await self._defer(lease, self.room_short(await self._snapshot(), _restore_needs(lease, [record])) or (
+                    "waiting for room to restore: the GPU had too little free memory for its checkpoint when it "
+                    "came to it; it is restored once enough memory is free"
+                ))
+                return
+            if outcome == _LOST:
+                failed.append(record.pid)
+            elif outcome == _RESTORED:
+                restored.append(record)
         if failed:
             why = f"restore failed, the kernel's GPU state is lost (pids {failed})"
             log.error("lease %s of kernel %s: %s", lease.id, lease.kernel_id, why)
             await arbiter.update(lease, lambda cur, now: core.released(cur, now, why))
             arbiter.publish(ArbiterEvent("notice", notice=notice("lost", lease, why)))
-        else:
-            log.info(
-                "lease %s of kernel %s restored onto %s (pids %s)",
-                lease.id,
-                lease.kernel_id,
-                ",".join(lease.devices),
-                [r.pid for r in records],
-            )
-            arbiter.publish(ArbiterEvent("notice", notice=notice("resumed", lease, lease.reason)))
-        arbiter.wake(lease.id)
+            return
+        log.info(
+            "lease %s of kernel %s restored onto %s (pids %s)",
+            lease.id,
+            lease.kernel_id,
+            ",".join(lease.devices),
+            [r.pid for r in records],
+        )
+        arbiter.publish(ArbiterEvent("notice", notice=notice("resumed", lease, lease.reason)))
+
+    async def _checkpoint_again(self, records: list[Checkpoint], lease: Lease) -> None:
+        """Put processes just restored back to the host (their lease waits again)."""
+        for record in records:
+            try:
+                moved = await asyncio.to_thread(self.arbiter.checkpointer.checkpoint, record.pid)
+            except CheckpointError as exc:
+                log.error(
+                    "lease %s of kernel %s: pid %s was restored but could not be checkpointed again: %s",
+                    lease.id, lease.kernel_id, record.pid, exc,
+                )
+                continue
+            again = replace(record, memory=moved if moved is not None else record.memory, taken_at=self.arbiter.clock())
+            await asyncio.to_thread(self._record, again)
 
     async def restore_orphans(self) -> None:
         """Every checkpoint this ledger took is restored, whatever became of its lease.
@@ -319,15 +439,17 @@ class ReclaimExecutor:
         A suspended lease's processes wait for their kernel's next cell. Any other checkpoint
         (its lease released by the user, by a disconnect or a crash, or the arbiter restarted
         halfway) is restored onto the GPU it came from, if its process still runs, once no other
-        lease holds that GPU: a GPU granted to another kernel meanwhile is never given a second
-        kernel's memory. Until then the checkpoint waits (its process stays frozen); a process
-        that ended meanwhile only has its checkpoint forgotten.
+        lease holds that GPU and its free memory holds the checkpoint with a margin: a GPU
+        granted to another kernel meanwhile is never given a second kernel's memory, and a GPU
+        whose memory others use is not restored into. Until then the checkpoint waits (its
+        process stays frozen); a process that ended meanwhile only has its checkpoint forgotten.
         """
         arbiter = self.arbiter
         records = await asyncio.to_thread(arbiter.ledger.checkpoints)
         if not records:
             return
         live = {lease.id: lease for lease in arbiter.state.leases}
+        snapshot = None
         for record in records:
             lease = live.get(record.lease_id)
             waiting = lease is not None and (
@@ -335,8 +457,9 @@ class ReclaimExecutor:
             )
             if waiting or self.busy(record.lease_id):
                 continue
+            running = procs.same_process(record.pid, record.create_time)
             held_by = _holders(record, live.values())
-            if held_by and procs.same_process(record.pid, record.create_time):
+            if held_by and running:
                 key = (record.pid, record.create_time, held_by[0].id)
                 if key not in self._orphans_told:
                     self._orphans_told.add(key)
@@ -348,8 +471,24 @@ class ReclaimExecutor:
                     )
                 continue
             gone = arbiter.known_lease(record.lease_id)
-            ok = await self.restore_one(record, None, gone or lease or _placeholder(record))
-            if ok and procs.same_process(record.pid, record.create_time):
+            owner = gone or lease or _placeholder(record)
+            if running:
+                if snapshot is None:
+                    snapshot = await self._snapshot()
+                short = self.room_short(snapshot, _orphan_needs(record, owner))
+                if short is not None:
+                    key = (record.pid, record.create_time, "room")
+                    if key not in self._orphans_told:
+                        self._orphans_told.add(key)
+                        log.info(
+                            "lease %s of kernel %s is no longer suspended: pid %s stays checkpointed until %s has "
+                            "room for it (%s)",
+                            record.lease_id, record.kernel_id, record.pid, ",".join(record.devices), short,
+                        )
+                    continue
+            ok = await self.restore_one(record, None, owner)
+            if ok and running:
+                snapshot = None  # the restore took memory: look again before the next one
                 log.warning(
                     "lease %s of kernel %s is no longer suspended: restored pid %s onto %s so that it is not left frozen",
                     record.lease_id, record.kernel_id, record.pid, ",".join(record.devices),
@@ -373,6 +512,45 @@ def _if_still(step: Step, fn: Callable[[Lease, float], Lease | None]) -> Callabl
         return None
 
     return apply
+
+
+_RESTORED, _GONE, _NO_ROOM, _LOST = "restored", "gone", "no room", "lost"
+
+
+def _if_granted(lease: Lease, fn: Callable[[Lease, float], Lease | None]) -> Callable[[Lease, float], Lease | None]:
+    """``fn`` applied only while the lease still holds the GPUs its restore was granted."""
+
+    def apply(cur: Lease, now: float) -> Lease | None:
+        if cur.holding and cur.devices == lease.devices and cur.home:
+            return fn(cur, now)
+        return None
+
+    return apply
+
+
+def _per_device(total: int, devices: Iterable[str]) -> dict[str, int]:
+    """``total`` bytes spread evenly over ``devices``, each with the restore margin."""
+    devices = list(devices)
+    share = -(-total // max(1, len(devices)))
+    return {uuid: share + RESTORE_MARGIN for uuid in devices}
+
+
+def _restore_needs(lease: Lease, records: list[Checkpoint]) -> dict[str, int]:
+    """Free bytes each GPU granted to ``lease`` needs for its checkpoints ``records``: what they
+    moved where known, else what the lease's kernel held when it was checkpointed."""
+    if not records:
+        return {}
+    sizes = [r.memory for r in records]
+    total = sum(sizes) if all(s is not None for s in sizes) else lease.memory_held
+    if total is None:
+        return {}
+    return _per_device(total, lease.devices)
+
+
+def _orphan_needs(record: Checkpoint, lease: Lease) -> dict[str, int]:
+    """Free bytes each GPU an orphaned checkpoint came from needs to take it back."""
+    total = record.memory if record.memory is not None else lease.memory_held
+    return {} if total is None else _per_device(total, record.devices)
 
 
 def _holders(record: Checkpoint, leases: Iterable[Lease]) -> list[Lease]:
