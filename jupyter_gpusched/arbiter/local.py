@@ -25,6 +25,7 @@ from .. import core
 from ..api.input import Claim
 from ..api.views import Principal
 from ..core import Capabilities, KernelActivity, Lease, LeaseState, SchedConfig
+from ..core import ladder as core_ladder
 from ..core import usage as core_usage
 from ..devices.base import DeviceBackend, DeviceSnapshot, InventoryUnavailable
 from ..ledger import Ledger, LedgerError, LedgerWouldBlock, OwnerId, is_alive
@@ -299,7 +300,9 @@ class LocalArbiter(LocalReads, Arbiter):
             half_life = self.cfg.usage_half_life
             book = core_usage.Book(tx.usage()) if half_life > 0 else None
             recent = book.recent(now, half_life) if book is not None else None
-            plan = core.plan(devices, leases, activity, now, self.cfg, self.caps, usage=recent, running=self._running)
+            # The checkpoint step is skipped on MIG instances (core/ladder.py, serving).
+            caps = core_ladder.serving(self.caps, devices)
+            plan = core.plan(devices, leases, activity, now, self.cfg, caps, usage=recent, running=self._running)
             read = {lease.id: lease for lease in leases}
             for lease_id in plan.changed:
                 # As read in this transaction: no need to read it again.

@@ -67,8 +67,9 @@ def forecast(
             scheduling pass left them: the host's idle spells and the quotas read them.
         now: the present, in the scheduler's seconds.
         cfg: the scheduling settings.
-        caps: what the driver can do (whether checkpoint is possible).
-        devices: the host's devices (the fair share of the host counts the healthy ones).
+        caps: what the driver can do (whether checkpoint is possible, and on which devices not).
+        devices: the host's devices (the fair share of the host counts the healthy ones; a MIG
+            instance among them cannot be checkpointed).
     """
     if not lease.holding:
         return None
@@ -85,11 +86,15 @@ def forecast(
     limits = idle.timeouts(lease, idle.host_prior(live), cfg)
     budget = cfg.checkpoint_host_memory
     room = None if budget is None else budget - ladder.checkpoint_bytes(live)
+    # MIG instances among the host's devices cannot be checkpointed: said here, ahead.
+    caps = ladder.serving(caps, devices)
     step, how = ladder.choose_step(lease, cfg, caps, room)
+    skipped = None
     if step is not None and step != Step.CHECKPOINT and cfg.checkpoint == "auto" and caps.checkpoint:
-        skipped = ladder.over_budget(lease, room)
-    else:
-        skipped = None
+        skipped = ladder.checkpoint_refused(lease, caps)
+        if skipped is None:
+            over = ladder.over_budget(lease, room)
+            skipped = f"not checkpointed: {over}" if over else None
     # The idle clock runs from the kernel's last activity; a running cell restarts it when it ends.
     since = now if lease.busy or lease.last_active_at is None else lease.last_active_at
     pinned = lease.keep_until if lease.keep_until is not None and lease.keep_until > now else None
@@ -158,7 +163,7 @@ def _reason(
 ) -> str:
     if step is None:
         return f"never taken back while idle ({how})"
-    parts = [f"not checkpointed: {skipped}"] if skipped else []
+    parts = [skipped] if skipped else []
     if plain_limit is None:
         parts.append("kept while nobody waits (release_timeout is 0)")
     else:

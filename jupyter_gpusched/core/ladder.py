@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Iterable
 
-from .model import SHARED, Capabilities, Lease, LeaseState, SchedConfig, Step
+from .model import SHARED, Capabilities, Device, Lease, LeaseState, SchedConfig, Step
 from .units import format_bytes
 
 
@@ -37,23 +38,64 @@ def over_budget(lease: Lease, room: int | None) -> str | None:
     )
 
 
+#: How every reason about a MIG instance begins: the CUDA driver cannot checkpoint a process on
+#: one (NVIDIA/cuda-checkpoint#42), so the ladder skips that step there.
+MIG_REFUSED = "MIG instances cannot be checkpointed"
+
+
+def mig_refusal(device: Device) -> str:
+    """Why a kernel on MIG instance ``device`` cannot be checkpointed, in words for its user."""
+    return (
+        f"{MIG_REFUSED}: GPU {device.index} ({device.name}) is a MIG instance, and the CUDA driver "
+        "cannot save a kernel's GPU state from one"
+    )
+
+
+def serving(caps: Capabilities, devices: Iterable[Device]) -> Capabilities:
+    """``caps`` with every MIG instance among ``devices`` (``Device.parent`` set) added to the
+    devices the checkpointer cannot serve (``caps`` itself when there is nothing to add)."""
+    if not caps.checkpoint:
+        return caps
+    known = caps.no_checkpoint
+    mig = {d.uuid: mig_refusal(d) for d in devices if d.parent is not None and d.uuid not in known}
+    if not mig:
+        return caps
+    return replace(caps, no_checkpoint={**known, **mig})
+
+
+def checkpoint_refused(lease: Lease, caps: Capabilities) -> str | None:
+    """Why the checkpointer cannot serve ``lease`` (one of its GPUs, or of those it was
+    checkpointed from, is one the checkpointer cannot serve), or None."""
+    refused = caps.no_checkpoint
+    if not refused:
+        return None
+    for uuid in lease.devices or lease.home:
+        why = refused.get(uuid)
+        if why:
+            return why
+    return None
+
+
 def choose_step(
     lease: Lease, cfg: SchedConfig, caps: Capabilities, checkpoint_room: int | None = None
 ) -> tuple[Step | None, str]:
     """The step to take ``lease``'s GPUs back, or None where nothing may be done.
 
     ``checkpoint_room``: bytes of ``cfg.checkpoint_host_memory`` not yet held by checkpoints
-    (``None``: no limit). A checkpoint that would not fit is skipped, and the reason of the step
-    taken instead says so.
+    (``None``: no limit). A checkpoint that would not fit is skipped, and so is one on a GPU the
+    checkpointer cannot serve (``caps.no_checkpoint``: MIG instances, see :func:`serving`); the
+    reason of the step taken instead says so.
     """
     tried = set(lease.tried_steps)
     if lease.memory_held == 0 and Step.RELEASE not in tried:
         return Step.RELEASE, "the kernel holds no GPU memory"
     skipped = None
-    if Step.CHECKPOINT not in tried and cfg.checkpoint == "auto" and caps.checkpoint:
-        skipped = over_budget(lease, checkpoint_room)
-        if skipped is None:
-            return Step.CHECKPOINT, "the kernel's GPU state can be checkpointed to host memory"
+    if cfg.checkpoint == "auto" and caps.checkpoint:
+        skipped = checkpoint_refused(lease, caps)
+        if skipped is None and Step.CHECKPOINT not in tried:
+            skipped = over_budget(lease, checkpoint_room)
+            if skipped is None:
+                return Step.CHECKPOINT, "the kernel's GPU state can be checkpointed to host memory"
     over = lease.memory is not None and (lease.memory_held or 0) > lease.memory
     if lease.mode == SHARED and over and Step.FREE_CACHE not in tried:
         how = "the kernel holds more than its share: dropping framework caches"

@@ -182,6 +182,11 @@ class Capabilities:
     checkpoint: bool = False
     checkpoint_reason: str = "no checkpoint support detected"
     remap: bool = False
+    #: Devices (uuid -> why, in words for the user) on which the checkpointer cannot take a
+    #: checkpoint although it can elsewhere: the ladder skips the checkpoint step for a lease on
+    #: any of them. MIG instances (``Device.parent`` set) are added by the core itself
+    #: (``ladder.serving``).
+    no_checkpoint: Mapping[str, str] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)
