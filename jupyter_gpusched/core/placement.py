@@ -214,6 +214,7 @@ def capacity_for(lease: Lease, devices: Sequence[Device]) -> int:
     empty = Occupancy(False, 0, 0)
     return sum(1 for d in schedulable(devices) if fits(d, empty, lease))
 
+
 def device_map(home: Sequence[str], targets: Sequence[str], models: Mapping[str, str]) -> dict[str, str] | None:
     """The map (old uuid -> new uuid) a restore from ``home`` onto ``targets`` hands the driver,
     by its rules: every GPU of ``home`` is mapped, each onto a GPU of the same model (``models``:

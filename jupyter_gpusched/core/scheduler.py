@@ -494,6 +494,9 @@ class _Pass:
             return short
         if lease.home and not remap:
             return "waiting for the GPU it was checkpointed from to be free"
+        if lease.home:
+            model = self.by_uuid[lease.home[0]].name
+            return f"waiting for a {model} GPU to restore onto (a checkpoint goes back onto the model it came from)"
         return "waiting for a GPU"
 
     # -- reclaiming ------------------------------------------------------------------------
