@@ -204,6 +204,16 @@ def called_off(lease: Lease, now: float, reason: str) -> Lease:
     return _out_of_reclaim(lease, LeaseState.ACTIVE, reason, busy=True, last_active_at=now)
 
 
+def lock_timed_out(lease: Lease, now: float, reason: str) -> Lease:
+    """A checkpoint whose lock timed out: the kernel's GPU work did not pause in time, so nothing
+    was checkpointed and the kernel runs on. The lease is active again and counted in use at
+    ``now`` (the kernel was using its GPU), which restarts its idle clock: a pass takes it back
+    again only once it has been idle as long as it must be from there (``contended_idle_timeout``
+    when someone waits, its idle timeout otherwise), not at once (unless that timeout is 0),
+    and with the same ladder, so the checkpoint is tried again before any disruptive step."""
+    return _out_of_reclaim(lease, LeaseState.ACTIVE, reason, busy=False, last_active_at=now)
+
+
 def step_skipped(lease: Lease, step: Step, reason: str) -> Lease:
     """A step that was due could not be taken now (a checkpoint over ``checkpoint_host_memory``):
     the next pass tries the next one."""

@@ -8,7 +8,12 @@ Three ways, found once at start-up:
 * on simulated GPUs, the simulated backend's own checkpoint.
 
 The process keeps running on the CPU throughout: only its GPU memory and contexts move. UVM and IPC
-memory cannot be checkpointed; the driver then refuses and the ladder falls through.
+memory cannot be checkpointed; the driver then refuses and the ladder falls through. Nor can a
+process on a MIG instance (NVIDIA/cuda-checkpoint#42): the core skips the step there
+(``core/ladder.py``), and a refusal that names the GPU (:class:`CheckpointUnsupported`) keeps the
+step from being tried on it again. A lock waits for GPU work already submitted for at most
+``lock_timeout_ms``; when it gives up (:class:`LockTimeout`) nothing was checkpointed, the kernel
+runs on and keeps its lease, and a later pass may try again.
 """
 
 from __future__ import annotations
@@ -28,8 +33,31 @@ MIN_DRIVER_API = 12080
 LOCK_TIMEOUT_MS = 30_000
 
 
+#: ``CUDA_ERROR_TIMEOUT``: what ``cuCheckpointProcessLock`` returns when the process's GPU work did
+#: not finish within the lock's timeout.
+CUDA_ERROR_TIMEOUT = 909
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint or restore was refused or failed; the message says why."""
+
+
+class LockTimeout(CheckpointError):
+    """The lock gave up: the process's GPU work did not pause within ``timeout_ms``. Nothing was
+    checkpointed and the process runs on, unharmed; a later try may succeed."""
+
+    def __init__(self, message: str, timeout_ms: int) -> None:
+        super().__init__(message)
+        self.timeout_ms = timeout_ms
+
+
+class CheckpointUnsupported(CheckpointError):
+    """The checkpointer cannot serve the GPUs ``uuids`` (a MIG instance, NVIDIA/cuda-checkpoint#42):
+    no checkpoint of any process there can succeed, so none should be tried again."""
+
+    def __init__(self, message: str, uuids: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.uuids = tuple(uuids)
 
 
 class RestoreNoRoom(CheckpointError):
@@ -62,6 +90,8 @@ class Checkpointer:
     available: bool = False
     reason: str = "no checkpoint support"
     remap: bool = False
+    #: How long a lock waits for the process's GPU work already submitted (milliseconds).
+    lock_timeout_ms: int = LOCK_TIMEOUT_MS
 
     def checkpoint(self, pid: int) -> int | None:  # pragma: no cover - interface
         """Move ``pid``'s GPU state to host memory; return bytes moved where known."""
@@ -86,7 +116,18 @@ class SimulatedCheckpointer(Checkpointer):
         self.remap = True
 
     def checkpoint(self, pid: int) -> int | None:
-        return self.backend.checkpoint(pid)
+        from ..devices.base import DeviceLost
+        from ..devices.simulated.state import SimulatedCheckpointUnsupported, SimulatedCudaError, SimulatedLockTimeout
+
+        with _as_checkpoint_error(f"checkpoint of process {pid}"):
+            try:
+                return self.backend.checkpoint(pid, lock_timeout=self.lock_timeout_ms / 1000)
+            except SimulatedLockTimeout as exc:
+                raise LockTimeout(str(exc), self.lock_timeout_ms) from None
+            except SimulatedCheckpointUnsupported as exc:
+                raise CheckpointUnsupported(str(exc), exc.uuids) from None
+            except (SimulatedCudaError, DeviceLost) as exc:
+                raise CheckpointError(str(exc)) from None
 
     def restore(self, pid: int, device_map: Mapping[str, str] | None = None) -> None:
         from ..devices.simulated import SimulatedOutOfMemory
@@ -103,10 +144,11 @@ class SimulatedCheckpointer(Checkpointer):
 class DriverCheckpointer(Checkpointer):
     """The CUDA driver checkpoint API through ``cuda.bindings.driver``."""
 
-    def __init__(self, driver) -> None:
+    def __init__(self, driver, lock_timeout_ms: int = LOCK_TIMEOUT_MS) -> None:
         self.driver = driver
         self.available = True
         self.reason = "CUDA driver checkpoint API (cuda.bindings)"
+        self.lock_timeout_ms = lock_timeout_ms
         self.remap = hasattr(driver, "CUcheckpointGpuPair")
 
     def _call(self, name: str, *args) -> None:
@@ -119,10 +161,28 @@ class DriverCheckpointer(Checkpointer):
         if code != 0:
             raise CheckpointError(f"{name} failed: {err!r}")
 
+    def lock(self, pid: int) -> None:
+        """Lock ``pid``'s CUDA calls once its GPU work already submitted is done.
+
+        Raises:
+            LockTimeout: that work did not finish within ``lock_timeout_ms``; the process runs on.
+        """
+        with _as_checkpoint_error(f"cuCheckpointProcessLock for process {pid}"):
+            lock_args = self.driver.CUcheckpointLockArgs()
+            lock_args.timeoutMs = self.lock_timeout_ms
+            result = self.driver.cuCheckpointProcessLock(pid, lock_args)
+            err = result[0] if isinstance(result, tuple) else result
+            code = int(err)
+        if code == CUDA_ERROR_TIMEOUT:
+            raise LockTimeout(
+                f"cuCheckpointProcessLock timed out after {self.lock_timeout_ms} ms: process {pid}'s GPU work "
+                "did not finish", self.lock_timeout_ms,
+            )
+        if code != 0:
+            raise CheckpointError(f"cuCheckpointProcessLock failed: {err!r}")
+
     def checkpoint(self, pid: int) -> int | None:
-        lock_args = self.driver.CUcheckpointLockArgs()
-        lock_args.timeoutMs = LOCK_TIMEOUT_MS
-        self._call("cuCheckpointProcessLock", pid, lock_args)
+        self.lock(pid)
         try:
             self._call("cuCheckpointProcessCheckpoint", pid, None)
         except CheckpointError:
@@ -180,11 +240,16 @@ class UtilityCheckpointer(Checkpointer):
     def _run(self, action: str, pid: int) -> None:
         cmd = [self.path, "--action", action, "--pid", str(pid)]
         if action == "lock":
-            cmd += ["--timeout", str(LOCK_TIMEOUT_MS)]
+            cmd += ["--timeout", str(self.lock_timeout_ms)]
         with _as_checkpoint_error(" ".join(cmd[1:])):
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
         if done.returncode != 0:
-            raise CheckpointError(f"cuda-checkpoint --action {action} --pid {pid}: {done.stderr.strip()}")
+            said = done.stderr.strip()
+            message = f"cuda-checkpoint --action {action} --pid {pid}: {said}"
+            # The utility reports the driver's error by name or in words.
+            if action == "lock" and any(w in said.lower() for w in ("timeout", "timed out", "cuda_error_timeout")):
+                raise LockTimeout(message, self.lock_timeout_ms)
+            raise CheckpointError(message)
 
     def checkpoint(self, pid: int) -> int | None:
         self._run("lock", pid)

@@ -25,7 +25,8 @@ from ..core import lifecycle
 from ..core.placement import RESTORE_MARGIN, device_map
 from ..devices.base import InventoryUnavailable
 from ..ledger import Checkpoint
-from .checkpoint import CheckpointError, RestoreNoRoom
+from ..core.lifecycle import lock_timed_out
+from .checkpoint import CheckpointError, CheckpointUnsupported, LockTimeout, RestoreNoRoom
 
 if TYPE_CHECKING:
     from ..arbiter.local import LocalArbiter
@@ -205,6 +206,20 @@ class ReclaimExecutor:
                 record = Checkpoint(pid, started, lease.id, lease.kernel_id, tuple(lease.devices), moved, arbiter.clock())
                 await asyncio.to_thread(self._record, record)
                 taken.append(record)
+        except LockTimeout as exc:
+            why = lock_timeout_reason(exc.timeout_ms)
+            log.info("lease %s of kernel %s: %s (%s)", lease.id, lease.kernel_id, why, exc)
+            for record in taken:  # put back what was already taken: all or nothing
+                await self.restore_one(record, None, lease)
+            await arbiter.update(lease, _if_still(Step.CHECKPOINT, lambda cur, now: lock_timed_out(cur, now, why)))
+            return
+        except CheckpointUnsupported as exc:
+            why = self.cannot_serve(lease, exc)
+            log.warning("lease %s of kernel %s: not checkpointed: %s (%s)", lease.id, lease.kernel_id, why, exc)
+            for record in taken:
+                await self.restore_one(record, None, lease)
+            await arbiter.update(lease, lambda cur, now: core.step_skipped(cur, Step.CHECKPOINT, why))
+            return
         except CheckpointError as exc:
             why = str(exc)
             log.warning("lease %s of kernel %s: checkpoint failed: %s", lease.id, lease.kernel_id, why)
@@ -228,6 +243,24 @@ class ReclaimExecutor:
             ",".join(lease.devices),
         )
         self.reclaimed(done, Step.CHECKPOINT, "suspended", done.reason)
+
+    def cannot_serve(self, lease: Lease, exc: CheckpointUnsupported) -> str:
+        """The checkpointer refused ``lease``'s GPUs for good: the arbiter's capabilities keep
+        that, so that no pass takes the checkpoint step there again and every forecast says so.
+        Returns why, in words for the user."""
+        arbiter = self.arbiter
+        uuids = exc.uuids or tuple(lease.devices)
+        by_uuid = {d.uuid: d for d in arbiter.state.snapshot}
+        refusals = {}
+        for uuid in uuids:
+            device = by_uuid.get(uuid)
+            if device is not None and device.parent_uuid is not None:
+                refusals[uuid] = ladder.mig_refusal(device.to_core())
+            else:
+                refusals[uuid] = f"the checkpointer cannot serve GPU {device.index if device else uuid}: {exc}"
+        caps = arbiter.caps
+        arbiter.caps = replace(caps, no_checkpoint={**caps.no_checkpoint, **refusals})
+        return refusals[uuids[0]] if uuids else str(exc)
 
     def over_budget(self, lease: Lease, pids: list[int]) -> str | None:
         """Why checkpointing ``pids`` must not be done now, or None: it would take the host's
@@ -501,6 +534,16 @@ class ReclaimExecutor:
         if self.arbiter.metrics is not None:
             self.arbiter.metrics.reclaimed(step.value)
         self.arbiter.publish(ArbiterEvent("notice", notice=notice(kind, lease, message)))
+
+
+def lock_timeout_reason(timeout_ms: int) -> str:
+    """What the lease says after a checkpoint whose lock timed out."""
+    within = f"{timeout_ms} ms" if timeout_ms < 1000 else core.format_duration(timeout_ms / 1000)
+    return (
+        f"not checkpointed: the kernel's GPU work did not pause within {within} "
+        "(the checkpoint lock timed out); the kernel keeps its GPU and runs on, unharmed, and a checkpoint "
+        "may be tried again once it has been idle long enough again"
+    )
 
 
 def _if_still(step: Step, fn: Callable[[Lease, float], Lease | None]) -> Callable[[Lease, float], Lease | None]:

@@ -7,6 +7,7 @@ other processes (kernels, a second server, a test) can use the simulated GPUs mu
     from jupyter_gpusched.devices import simulated
     simulated.allocate("16GiB")      # like torch.empty(...) on cuda:0; OOM past memory_total
     simulated.set_utilization(90)    # "computing"
+    simulated.launch(120)            # GPU work in flight for 2 minutes (a checkpoint's lock waits)
     simulated.free()                 # like the process letting go of its context
 
 The backend object also scripts the host for tests: device utilization, lost GPUs, fields the
@@ -32,8 +33,15 @@ from .config import (
     mig_uuid,
     parse_devices,
 )
-from .cuda import allocate, free, memory_allocated, set_utilization, visible_devices
-from .state import ALLOW_SHARED_SETTING, SimulatedCudaError, SimulatedOutOfMemory, UnsafeStateFile
+from .cuda import allocate, free, launch, memory_allocated, set_utilization, visible_devices
+from .state import (
+    ALLOW_SHARED_SETTING,
+    SimulatedCheckpointUnsupported,
+    SimulatedCudaError,
+    SimulatedLockTimeout,
+    SimulatedOutOfMemory,
+    UnsafeStateFile,
+)
 
 __all__ = [
     "ALLOW_SHARED_SETTING",
@@ -45,14 +53,17 @@ __all__ = [
     "STATE_FILE",
     "DeviceLost",
     "SimulatedBackend",
+    "SimulatedCheckpointUnsupported",
     "SimulatedCudaError",
     "SimulatedDevice",
+    "SimulatedLockTimeout",
     "SimulatedOutOfMemory",
     "UnsafeStateFile",
     "allocate",
     "default_state_path",
     "free",
     "gpu_uuid",
+    "launch",
     "memory_allocated",
     "mig_uuid",
     "parse_devices",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
+import time
 from typing import Any, Mapping
 
 from ... import procs
@@ -13,7 +14,9 @@ from ..base import LOST, OK, DeviceBackend, DeviceSnapshot, GPUProcess, Inventor
 from .config import DEFAULT_SEED, STATE_ENV, SimulatedDevice, default_state_path, parse_devices
 from .state import (
     Processes,
+    SimulatedCheckpointUnsupported,
     SimulatedCudaError,
+    SimulatedLockTimeout,
     UnsafeStateFile,
     as_bytes,
     as_percent,
@@ -282,16 +285,34 @@ class SimulatedBackend(DeviceBackend):
 
     # -- checkpoint and restore --------------------------------------------------------------
 
-    def checkpoint(self, pid: int) -> int:
+    def checkpoint(self, pid: int, lock_timeout: float | None = None) -> int:
         """Move ``pid``'s GPU memory to the host; the devices no longer show the process.
+
+        As the driver does, the lock first waits for the process's GPU work in flight (what
+        ``simulated.launch`` started) for up to ``lock_timeout`` seconds (``None``: as long as it
+        takes), and a process on a MIG instance is refused (NVIDIA/cuda-checkpoint#42).
 
         Returns:
             Bytes moved (0 if it held nothing).
 
         Raises:
+            SimulatedCheckpointUnsupported: some of its memory is on a MIG instance; nothing moved.
+            SimulatedLockTimeout: its GPU work in flight outlasted ``lock_timeout``; nothing moved,
+                and the process runs on.
             DeviceLost: some of its memory is on a lost GPU and cannot be copied out.
         """
         where, key = self._key(pid)
+        with transaction(self.state_path, write=False) as conn:
+            held = list(conn.execute(f"SELECT uuid, work_until FROM processes WHERE {where}", key))
+        mig = tuple(sorted({r["uuid"] for r in held if self._is_mig(r["uuid"])}))
+        if mig:
+            what = "is a MIG instance" if len(mig) == 1 else "are MIG instances"
+            raise SimulatedCheckpointUnsupported(
+                f"checkpoint of process {pid} refused (simulated driver): {', '.join(mig)} {what}, "
+                "and MIG instances cannot be checkpointed",
+                mig,
+            )
+        self._lock(pid, max((r["work_until"] or 0.0 for r in held), default=0.0), lock_timeout)
         with transaction(self.state_path, write=True) as conn:
             rows = list(conn.execute(f"SELECT * FROM processes WHERE {where}", key))
             for row in rows:
@@ -311,6 +332,25 @@ class SimulatedBackend(DeviceBackend):
                 format_bytes(row["memory"]),
             )
         return moved
+
+    def _is_mig(self, uuid: str) -> bool:
+        device = self._by_uuid.get(uuid)
+        return device is not None and device.parent_uuid is not None
+
+    @staticmethod
+    def _lock(pid: int, work_until: float, timeout: float | None) -> None:
+        """Wait, as ``cuCheckpointProcessLock`` does, for work in flight until ``work_until``
+        (wall-clock seconds), giving up after ``timeout`` seconds."""
+        left = work_until - time.time()
+        if left <= 0:
+            return
+        if timeout is not None and left > timeout:
+            time.sleep(max(timeout, 0.0))
+            raise SimulatedLockTimeout(
+                f"lock of process {pid} timed out after {timeout:g} s (simulated driver): "
+                f"its GPU work runs {left - timeout:.1f} s longer"
+            )
+        time.sleep(left)
 
     def checkpointed(self, pid: int) -> int:
         """Bytes of ``pid``'s GPU memory held on the host by a checkpoint."""

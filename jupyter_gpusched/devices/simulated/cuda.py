@@ -34,7 +34,15 @@ from .state import (
     transaction,
 )
 
-__all__ = ["allocate", "free", "memory_allocated", "on_checkpointed", "set_utilization", "visible_devices"]
+__all__ = [
+    "allocate",
+    "free",
+    "launch",
+    "memory_allocated",
+    "on_checkpointed",
+    "set_utilization",
+    "visible_devices",
+]
 
 # The package's one logger, named as before the simulated backend became a package.
 log = logging.getLogger("jupyter_gpusched.devices.simulated")
@@ -259,6 +267,29 @@ def set_utilization(percent: float, device: int | str | None = None) -> None:
         place(conn, uuid, pid, procs.started(pid), 0, share, ns=ns)
 
     _on_the_gpu(device, use)
+
+
+def launch(seconds: float, device: int | str | None = None) -> str:
+    """Launch GPU work that runs for ``seconds`` on ``device``, as a CUDA kernel launch does: the
+    call returns at once and the work stays in flight. A checkpoint's lock waits for it (up to its
+    timeout), as the driver's lock waits for work already submitted. The utilization the GPU
+    reports is what :func:`set_utilization` says, not changed by this.
+
+    Returns:
+        The UUID of the device the work runs on.
+    """
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds >= 0:
+        raise ValueError(f"seconds must be 0 or more, not {seconds!r}")
+    until = time.time() + float(seconds)
+
+    def submit(conn: sqlite3.Connection, uuid: str, pid: int, ns: int) -> None:
+        place(conn, uuid, pid, procs.started(pid), 0, None, ns=ns)
+        conn.execute(
+            "UPDATE processes SET work_until = MAX(COALESCE(work_until, 0), ?) WHERE pid = ? AND ns = ? AND uuid = ?",
+            (until, pid, ns, uuid),
+        )
+
+    return _on_the_gpu(device, submit)
 
 
 def memory_allocated(device: int | str | None = None) -> int:

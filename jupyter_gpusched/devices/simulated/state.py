@@ -27,7 +27,9 @@ from .config import SimulatedDevice
 __all__ = [
     "ALLOW_SHARED_SETTING",
     "Processes",
+    "SimulatedCheckpointUnsupported",
     "SimulatedCudaError",
+    "SimulatedLockTimeout",
     "SimulatedOutOfMemory",
     "UnsafeStateFile",
     "as_bytes",
@@ -67,6 +69,7 @@ CREATE TABLE IF NOT EXISTS processes (
     uuid TEXT NOT NULL,
     memory INTEGER NOT NULL DEFAULT 0,
     utilization REAL NOT NULL DEFAULT 0,
+    work_until REAL,
     PRIMARY KEY (pid, ns, uuid)
 );
 CREATE TABLE IF NOT EXISTS checkpoints (
@@ -89,6 +92,18 @@ class SimulatedCudaError(RuntimeError):
 
 class SimulatedOutOfMemory(SimulatedCudaError):
     """An allocation past the simulated GPU's memory."""
+
+
+class SimulatedLockTimeout(SimulatedCudaError):
+    """A checkpoint's lock gave up: the process's GPU work outlasted the lock's timeout."""
+
+
+class SimulatedCheckpointUnsupported(SimulatedCudaError):
+    """A checkpoint the driver refuses whatever the process does: its GPU ``uuids`` are MIG instances."""
+
+    def __init__(self, message: str, uuids: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.uuids = tuple(uuids)
 
 
 
@@ -175,6 +190,10 @@ def init_state(path: str, devices: Sequence[SimulatedDevice], allow_shared: bool
             if statement.strip():
                 conn.execute(statement)
         conn.execute(f"PRAGMA user_version = {_SCHEMA_VERSION}")
+        # ``work_until`` (GPU work in flight, launch()) came later within schema 2: older readers
+        # name their columns, so a column added here changes nothing for them.
+        if "work_until" not in {row["name"] for row in conn.execute("PRAGMA table_info(processes)")}:
+            conn.execute("ALTER TABLE processes ADD COLUMN work_until REAL")
         known = {row["uuid"] for row in conn.execute("SELECT uuid FROM devices")}
         wanted = {d.uuid for d in devices}
         stale = known - wanted
