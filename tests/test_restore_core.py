@@ -118,3 +118,28 @@ def test_a_restore_whose_gpu_is_gone_from_the_inventory_is_not_moved_to_any_mode
     assert host["s"].state == LeaseState.PENDING
     assert "drained or lost" in host["s"].reason
 
+
+
+def test_a_shared_restore_counts_what_the_other_kernels_on_the_gpu_really_hold():
+    # Bob's shared lease was promised 10 GiB but his kernel holds 40 GiB: the 45 GiB checkpoint
+    # fits by the books (10 + 45) but not in the memory really free (80 - 40).
+    devices = [Device("GPU-0", 0, "H100", 80 * GiB)]
+    host = Host(devices, caps=CHECKPOINT)
+    host.claim("s", "sue", mode="shared", memory=10 * GiB)
+    host.tick(0)
+    host.leases["s"] = replace(host["s"], devices=("GPU-0",), memory_held=45 * GiB)
+    host.leases["s"] = request_resume(suspended(host["s"], 10), 20)
+    host.claim("b", "bob", mode="shared", memory=10 * GiB)
+    host.leases["b"] = replace(
+        host["b"], state=LeaseState.ACTIVE, devices=("GPU-0",), memory_held=40 * GiB, last_active_at=20
+    )
+    host.kernel("b", busy=True, memory=40 * GiB)
+    with_used(host, "GPU-0", 40 * GiB)
+    host.tick(30)
+    assert host["s"].state == LeaseState.PENDING
+
+    host.kernel("b", busy=True, memory=30 * GiB)  # bob frees 10 GiB: 50 GiB free now
+    host.leases["b"] = replace(host["b"], memory_held=30 * GiB)
+    with_used(host, "GPU-0", 30 * GiB)
+    host.tick(31)
+    assert host["s"].state == LeaseState.ACTIVE and host["s"].devices == ("GPU-0",)

@@ -27,13 +27,15 @@ RESTORE_MARGIN = GiB // 2
 
 @dataclass(frozen=True)
 class Occupancy:
-    """What the live leases have been promised on one device, and what processes outside them
-    use there (``outside``: the device's memory used less what the holders' kernels hold)."""
+    """What the live leases have been promised on one device, what their kernels hold there
+    (``held``), and what processes outside them use there (``outside``: the device's memory used
+    less what the holders' kernels hold)."""
 
     exclusive: bool
     promised: int
     holders: int
     outside: int = 0
+    held: int = 0
 
 
 def held_per_device(lease: Lease) -> int:
@@ -66,7 +68,7 @@ def occupancy(devices: Sequence[Device], leases: Iterable[Lease]) -> dict[str, O
             promised[uuid] += lease.promised_memory(device)
             held[uuid] += held_per_device(lease)
     return {
-        u: Occupancy(excl[u], promised[u], holders[u], outside_memory(d, held[u])) for u, d in by_uuid.items()
+        u: Occupancy(excl[u], promised[u], holders[u], outside_memory(d, held[u]), held[u]) for u, d in by_uuid.items()
     }
 
 
@@ -92,6 +94,7 @@ def _shift(occ: dict[str, Occupancy], lease: Lease, devices: Mapping[str, Device
             max(0, old.promised + sign * lease.promised_memory(device)),
             max(0, old.holders + sign),
             old.outside,
+            max(0, old.held + sign * held_per_device(lease)),
         )
 
 
@@ -125,7 +128,10 @@ def fits(device: Device, occ: Occupancy, lease: Lease) -> bool:
         return restoring is None or restoring <= device.memory_total - occ.outside
     need = lease.promised_memory(device)
     if restoring is not None:
-        return occ.promised + max(need, restoring) <= device.memory_total - occ.outside
+        # By the books (what the holders were promised) and in fact (what their kernels hold,
+        # which may be more than a shared lease's share).
+        room = device.memory_total - occ.outside
+        return occ.promised + max(need, restoring) <= room and occ.held + restoring <= room
     return occ.promised + need <= device.memory_total
 
 
@@ -137,7 +143,8 @@ def restore_short(device: Device, occ: Occupancy, lease: Lease) -> int | None:
         return None
     if not fits(device, Occupancy(occ.exclusive, occ.promised, occ.holders), lease):
         return None
-    return max(0, device.memory_total - occ.outside - (occ.promised if lease.mode != EXCLUSIVE else 0))
+    taken = max(occ.promised, occ.held) if lease.mode != EXCLUSIVE else 0
+    return max(0, device.memory_total - occ.outside - taken)
 
 
 def _load_key(device: Device) -> tuple:

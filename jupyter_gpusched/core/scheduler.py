@@ -86,17 +86,19 @@ class _Host:
         self.pool_by_load = sorted(self.pool, key=_load_key)
         self.grouped = any(d.group is not None for d in self.pool)
         # One record per distinct occupancy of a device: most held devices are alike.
-        self.occupancies: dict[tuple[bool, int, int, int], Occupancy] = {}
+        self.occupancies: dict[tuple[bool, int, int, int, int], Occupancy] = {}
         # Devices whose processes use memory (a restore counts it against the checkpoint).
         self.used = {d.uuid: d for d in devices if d.memory_used}
 
-    def occupancy_of(self, exclusive: bool, promised: int, holders: int, outside: int = 0) -> Occupancy:
-        key = (exclusive, promised, holders, outside)
+    def occupancy_of(
+        self, exclusive: bool, promised: int, holders: int, outside: int = 0, held: int = 0
+    ) -> Occupancy:
+        key = (exclusive, promised, holders, outside, held)
         found = self.occupancies.get(key)
         if found is None:
             if len(self.occupancies) >= 4096:
                 self.occupancies.clear()
-            found = self.occupancies[key] = Occupancy(exclusive, promised, holders, outside)
+            found = self.occupancies[key] = Occupancy(exclusive, promised, holders, outside, held)
         return found
 
 
@@ -227,7 +229,7 @@ class _Pass:
                 occ[uuid] = make(False, 0, 0, outside_memory(device, 0))
         for uuid, (exclusive, promised, holders, held) in counts.items():
             device = used.get(uuid)
-            occ[uuid] = make(exclusive, promised, holders, outside_memory(device, held) if device else 0)
+            occ[uuid] = make(exclusive, promised, holders, outside_memory(device, held) if device else 0, held)
         return occ
 
     def pinned(self, lease: Lease) -> bool:
