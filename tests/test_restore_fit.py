@@ -217,3 +217,39 @@ async def test_a_restore_the_driver_finds_no_room_for_keeps_the_checkpoint_and_i
     assert out["error"] is None, out
     assert f"state kept {60 * GiB}" in out["stdout"], out
     _no_task_lost(caplog)
+
+
+async def test_an_orphaned_checkpoint_waits_for_room_and_is_restored_once_there_is(
+    jp_fetch, gpu_kernelspec, start_kernel, arbiter, use_clock, caplog
+):
+    """A checkpoint whose lease was given back is restored onto its GPU only once the GPU's free
+    memory holds it: until then its process stays checkpointed, its memory on the host."""
+    clock = use_clock
+    gpu_kernelspec("gpu")
+    a = await start_kernel("gpu")
+    out = await a.execute(SIM + "simulated.allocate('60GiB')")
+    assert out["error"] is None, out
+    await arbiter.tick()
+    lease_a = await _checkpoint(arbiter, jp_fetch, a.id)
+    pid = arbiter.kernels.kernel_pid(a.id)
+    uuid = arbiter.state.snapshot[0].uuid
+    job = _holder(arbiter, uuid, "30GiB")
+    try:
+        code, _ = await api(jp_fetch, "leases", lease_a, method="DELETE")
+        assert code == 204
+        for _ in range(3):
+            clock.advance(5)
+            await arbiter.tick()
+        assert arbiter.backend.checkpointed(pid) == 60 * GiB, "restored into too little memory"
+        assert arbiter.ledger.checkpoints()
+    finally:
+        job.kill()
+        job.wait()
+    clock.advance(5)
+    await arbiter.tick()
+    await arbiter.tick()
+    assert arbiter.backend.checkpointed(pid) == 0
+    assert arbiter.ledger.checkpoints() == []
+    out = await a.execute("print(simulated.memory_allocated())")
+    assert out["stdout"].strip() == str(60 * GiB), out
+    _no_task_lost(caplog)
