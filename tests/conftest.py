@@ -40,6 +40,18 @@ class FakeClock:
         self.now += seconds
 
 
+@pytest.fixture(autouse=True)
+def _environment_kept():
+    """Each test starts from the environment the run began with, and leaves it so: a test that
+    runs the kernel agent in this process (its limits keeper writes the frameworks' variables)
+    must not hand those variables to the kernels that later tests start."""
+    before = dict(os.environ)
+    yield
+    if os.environ != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()

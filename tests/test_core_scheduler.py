@@ -294,6 +294,74 @@ def test_an_announced_reclaim_is_cancelled_when_the_kernel_runs():
     assert host["b"].state == LeaseState.PENDING
 
 
+def four_held_gpus_and_a_small_checkpoint_budget():
+    """The scenario a new user met: B, D and E hold 8 GiB each (D and E run cells), C holds a GPU
+    with no memory and ran a cell more recently than B; the host's checkpoint budget (4 GiB)
+    cannot take an 8 GiB checkpoint. Then A's claim waits. B is the longest idle."""
+    host = Host(gpus(4), caps=CHECKPOINT, policy="dynamic", idle_timeout=30, contended_idle_timeout=30,
+                grace_period=60, checkpoint_host_memory=4 * GiB, reclaim_fallback="restart")
+    for lease_id, user in (("b", "bob"), ("c", "carol"), ("d", "dave"), ("e", "erin")):
+        host.claim(lease_id, user)
+    host.tick(0)
+    for lease_id, memory in (("b", 8 * GiB), ("c", 0), ("d", 8 * GiB), ("e", 8 * GiB)):
+        host.kernel(lease_id, busy=True, memory=memory)
+    host.tick(1)
+    host.kernel("b", busy=False, memory=8 * GiB)
+    host.tick(2)
+    host.kernel("c", busy=False, memory=0)
+    host.tick(20)
+    return host
+
+
+def test_an_announced_restart_is_called_off_when_a_step_that_keeps_state_serves_the_claim():
+    host = four_held_gpus_and_a_small_checkpoint_budget()
+    host.at(40).claim("a", "alice")
+    host.tick(40)
+    b = host["b"]
+    assert b.state == LeaseState.RECLAIMING and b.reclaim_step == Step.RESTART, b.reason
+    assert host.kinds("b")[-1] == "notice"
+    assert host["c"].state == LeaseState.ACTIVE, "carol's kernel is not idle long enough yet"
+    # Carol's lease, holding no memory, is idle long enough at 50: releasing it serves alice.
+    carols = host["c"].devices
+    host.tick(50)
+    assert host.kinds("c")[-1] == "reclaim" and host["c"].state == LeaseState.RELEASED
+    assert host.kinds("b") == ["cancel"]
+    b = host["b"]
+    assert b.state == LeaseState.IDLE and b.reclaim_step is None and b.reclaim_at is None
+    assert b.reason.startswith("restart called off: the waiting claim is served without it")
+    host.tick(51)
+    assert host["a"].state == LeaseState.ACTIVE and host["a"].devices == carols
+    # Nothing is restarted afterwards: bob's grace period passes and he keeps his GPU.
+    host.tick(101)
+    assert host["b"].state == LeaseState.IDLE
+
+
+def test_a_release_is_chosen_before_a_restart_that_would_serve_the_same_claim():
+    host = four_held_gpus_and_a_small_checkpoint_budget()
+    host.at(60).claim("a", "alice")
+    host.tick(60)
+    # Both bob's and carol's kernels are idle long enough; bob's the longer, but his step would
+    # restart it, carol's keeps her state (she held no memory).
+    assert host.kinds("c")[-1] == "reclaim"
+    assert host["c"].state == LeaseState.RELEASED
+    assert host["b"].state == LeaseState.IDLE and "notice" not in host.kinds("b")
+
+
+def test_two_checkpoints_that_do_not_both_fit_the_budget_are_not_both_counted_gentle():
+    host = Host(gpus(2), caps=CHECKPOINT, policy="dynamic", idle_timeout=30, contended_idle_timeout=30,
+                grace_period=60, checkpoint_host_memory=10 * GiB, reclaim_fallback="restart")
+    host.claim("b", "bob")
+    host.claim("c", "carol")
+    host.tick(0)
+    host.kernel("b", memory=6 * GiB)
+    host.kernel("c", memory=6 * GiB)
+    host.tick(1)
+    host.at(60).claim("a", "alice", count=2)
+    host.tick(60)
+    states = sorted((str(host[lid].state), str(host[lid].reclaim_step)) for lid in ("b", "c"))
+    assert states == [("reclaiming", "restart"), ("suspended", "None")], "12 GiB of checkpoints do not fit 10 GiB"
+
+
 def test_an_announced_reclaim_is_cancelled_when_the_lease_is_kept():
     host = hybrid_with_a_borrowed_lease(max_keep=7200)
     host.at(20).claim("b", "bob")

@@ -148,6 +148,8 @@ class _Pass:
         self._room_known = cfg.checkpoint_host_memory is None
         #: Idle leases wanted back only because their step keeps the kernel's state.
         self.gentle_only: set[str] = set()
+        #: Waiting claims this pass serves with steps that keep every kernel's state.
+        self.gently_served: set[str] = set()
         # Recent usage per subject (core/usage.py); none when usage_half_life is 0.
         self.recent: Mapping[str, float] = recent if recent and cfg.usage_half_life > 0 else {}
         #: The key each claim came out of the fair queue with (for fairness.explain).
@@ -566,19 +568,48 @@ class _Pass:
                 vacate(trial, holding[vid], self.by_uuid)
             return self.placement_for(claim, (), occ=trial)
 
+        # A step that keeps the kernel's state (a release of a lease holding no memory, a
+        # checkpoint within the host budget) is taken before any restart or shutdown that would
+        # serve the same claim: the victims are first sought among the gentle ones alone. The
+        # budget a gentle checkpoint takes is counted here so two of them cannot count on it.
+        gentle_room = [self.checkpoint_room()]
+
+        def gentle(lease: Lease) -> bool:
+            step, _ = ladder.choose_step(lease, self.cfg, self.caps, gentle_room[0])
+            return step is not None and not step.disruptive
+
+        def pick(claim: Lease, only_gentle: bool):
+            picked: list[str] = []
+            room = gentle_room[0]
+            for _, victim, anyone in eligible:
+                if victim.id in chosen or (not anyone and victim.user != claim.user):
+                    continue
+                if only_gentle:
+                    step, _ = ladder.choose_step(victim, self.cfg, self.caps, room)
+                    if step is None or step.disruptive:
+                        continue
+                    if step == Step.CHECKPOINT and room is not None:
+                        room -= victim.memory_held or 0
+                picked.append(victim.id)
+                placed = fit(claim, picked)
+                if placed is not None:
+                    if only_gentle:
+                        gentle_room[0] = room
+                    return picked, placed
+            return picked, None
+
         for claim in blocked:
             if not self.could_fit(claim):
                 continue
             picked: list[str] = []
             placed = fit(claim, ())
             if placed is None:
-                for _, victim, anyone in eligible:
-                    if victim.id in chosen or (not anyone and victim.user != claim.user):
-                        continue
-                    picked.append(victim.id)
-                    placed = fit(claim, picked)
+                if any(gentle(victim) for _, victim, _ in eligible):
+                    picked, placed = pick(claim, only_gentle=True)
                     if placed is not None:
-                        break
+                        self.gently_served.add(claim.id)
+                if placed is None:
+                    picked, placed = pick(claim, only_gentle=False)
                 if placed is None:
                     continue
                 # Picking by idle time can take leases that free nothing this claim can use (a
@@ -672,6 +703,13 @@ class _Pass:
             in_progress = lease.reclaim_step is not None and not lease.reclaim_step.disruptive
             if not in_progress:
                 reason = "reclaim cancelled: no longer needed"
+                if lease.reclaim_step is not None and self.gently_served:
+                    # A disruptive step announced earlier, called off because the waiting claim
+                    # is now served by a step that keeps every kernel's state.
+                    reason = (
+                        f"{lease.reclaim_step} called off: the waiting claim is served without it, "
+                        "by a GPU freed without losing any kernel's state"
+                    )
                 self.set(
                     evolve(lease, state=LeaseState.IDLE, reclaim_at=None, reclaim_step=None, reason=reason),
                     "cancel",
