@@ -6,6 +6,10 @@ c = get_config()  # noqa: F821 - provided by the config loader
 
 c.GPUSchedApp.backend = "simulated"
 c.GPUSchedApp.simulated_devices = 4
+# A simulated checkpoint holds no host RAM: the budget is what the four simulated 80 GiB GPUs could
+# hold, not half of the Binder machine's small RAM (which would make every reclaim after the first
+# checkpoint a restart).
+c.GPUSchedApp.checkpoint_host_memory = "320GiB"
 
 # Short enough to watch a GPU go idle and be taken back within a Binder session.
 c.GPUSchedApp.idle_timeout = 120
