@@ -50,6 +50,7 @@ import psutil
 
 from .. import procs
 from ..api.input import ID_PATTERN
+from . import evidence
 
 log = logging.getLogger("jupyter_gpusched.broker")
 
@@ -61,8 +62,8 @@ MAX_NOTEBOOK = 512
 ENDED_MEMORY = 3600.0
 #: CPU time (nanoseconds of a kernel's main threads) that counts as evidence the kernel ran code.
 CPU_EVIDENCE_NS = 1_000_000
-#: How long one piece of evidence (CPU or GPU use) backs a server's word that a kernel is busy.
-EVIDENCE_WINDOW = 30.0
+#: How long one piece of evidence backs a server's word that a kernel is busy (hub/evidence.py).
+EVIDENCE_WINDOW = evidence.EVIDENCE_WINDOW
 
 
 class HeartbeatError(ValueError):
@@ -750,9 +751,8 @@ class RemoteKernels:
     def activity(self) -> Mapping[str, tuple[bool, float | None, float | None]]:
         """Each kernel's activity as far as the broker can confirm it.
 
-        A server's word that a kernel is busy (or was busy at some moment) counts only while the
-        kernel's processes were seen using CPU or a GPU within :data:`EVIDENCE_WINDOW`, and for at
-        most ``max_busy_without_gpu`` seconds of claimed activity without the GPU.
+        A server's word that a kernel is busy (or was busy at some moment) is weighed against what
+        was seen of its processes by :func:`~jupyter_gpusched.hub.evidence.weigh`.
         """
         now = self.clock()
         wall = self.wall_clock()
@@ -760,35 +760,27 @@ class RemoteKernels:
         use = self.gpu_use() if self._kernels else {}
         out = {}
         for kernel in self._kernels.values():
-            live = self._connected(self._servers.get(kernel.server_id), now)
-            if any(
+            gpu_now = any(
                 (use.get(p) or 0.0) >= self.utilization_threshold
                 for p in kernel.all_pids()
                 if p in use and self._is_current(kernel, p)
-            ):
-                kernel.gpu_seen_at = wall
-                kernel.claimed_since = None
-            seen = max(kernel.cpu_seen_at or 0.0, kernel.gpu_seen_at or 0.0) or None
-            claiming = kernel.last_claim_at is not None and wall - kernel.last_claim_at <= self.heartbeat_timeout
-            if not claiming:
-                kernel.claimed_since = None
-            elif kernel.claimed_since is None and (kernel.gpu_seen_at is None or wall - kernel.gpu_seen_at > EVIDENCE_WINDOW):
-                kernel.claimed_since = wall
-            over = kernel.claimed_since is not None and wall - kernel.claimed_since > self.max_busy_without_gpu
-            busy = kernel.busy and live and seen is not None and wall - seen <= EVIDENCE_WINDOW and not over
-            last = kernel.last_busy_at
-            if last is not None:
-                last = min(last, seen) if seen is not None else None
-            if last is not None and over:
-                last = min(last, kernel.claimed_since + self.max_busy_without_gpu)
-            if kernel.busy and live and not busy:
-                why = "without GPU use for longer than max_busy_without_gpu" if over else "but its processes are not running"
+            )
+            verdict = evidence.weigh(
+                evidence.Word(kernel.busy, kernel.last_busy_at, kernel.started_at, kernel.last_claim_at),
+                evidence.Seen(kernel.cpu_seen_at, kernel.gpu_seen_at, gpu_now, kernel.claimed_since),
+                connected=self._connected(self._servers.get(kernel.server_id), now),
+                now=wall,
+                heartbeat_timeout=self.heartbeat_timeout,
+                max_busy_without_gpu=self.max_busy_without_gpu,
+            )
+            kernel.gpu_seen_at, kernel.claimed_since = verdict.gpu_seen_at, verdict.claimed_since
+            if verdict.doubt is not None:
                 self._warn_once(
-                    f"busy:{kernel.kernel_id}:{over}",
-                    "kernel %s of %s: its server says it is busy %s; counted as not busy", kernel.kernel_id, kernel.user, why,
+                    f"busy:{kernel.kernel_id}:{verdict.doubt}",
+                    "kernel %s of %s: its server says it is busy %s; counted as not busy",
+                    kernel.kernel_id, kernel.user, verdict.doubt,
                 )
-            started = kernel.started_at if busy else None
-            out[kernel.kernel_id] = (busy, last, started)
+            out[kernel.kernel_id] = (verdict.busy, verdict.last_busy_at, verdict.started_at)
         return out
 
     def _fold_sample(self, wall: float) -> None:
