@@ -11,6 +11,12 @@ size, plus :data:`RESTORE_MARGIN`, in the GPU's real free memory: memory that pr
 the leases holding the GPU use (a job started outside Jupyter, a kernel that gave its lease back
 and kept its memory) counts as taken. A restore into too little memory fails in the driver and
 can leave the process stuck checkpointed for good (NVIDIA/cuda-checkpoint#44).
+
+Every other claim counts that memory as taken too: a kernel that gave its lease back and kept
+its memory, or a job started outside Jupyter, leaves a GPU free by the leases' books but not in
+fact. A claim goes there only if it fits beside that memory: an exclusive claim for a size needs
+that size free, a claim for a whole GPU needs the GPU empty (up to :data:`STRAY_SLACK`), a shared
+claim needs its share free beside the other leases' shares and that memory.
 """
 
 from __future__ import annotations
@@ -23,6 +29,10 @@ from .model import EXCLUSIVE, GiB, Device, Lease
 #: Free memory a restore needs on each GPU beyond its checkpoint's share: the driver's own
 #: context and what the restore allocates while it copies (bytes).
 RESTORE_MARGIN = GiB // 2
+#: Bytes of memory outside every lease that a GPU may hold and still count as empty for a new
+#: claim: a CUDA context or two left behind by processes that freed their memory (a few hundred
+#: MiB each on current GPUs), a display server. Beyond it, all of that memory counts as taken.
+STRAY_SLACK = GiB
 
 
 @dataclass(frozen=True)
@@ -36,6 +46,12 @@ class Occupancy:
     holders: int
     outside: int = 0
     held: int = 0
+
+
+def stray(occ: Occupancy) -> int:
+    """Bytes outside every lease on a device that a new claim counts as taken (none up to
+    :data:`STRAY_SLACK`, all of it beyond)."""
+    return occ.outside if occ.outside > STRAY_SLACK else 0
 
 
 def held_per_device(lease: Lease) -> int:
@@ -125,14 +141,19 @@ def fits(device: Device, occ: Occupancy, lease: Lease) -> bool:
     if lease.mode == EXCLUSIVE:
         if occ.holders != 0:
             return False
-        return restoring is None or restoring <= device.memory_total - occ.outside
+        if restoring is not None:
+            return restoring <= device.memory_total - occ.outside
+        # Memory outside every lease is someone's: a claim for a size fits beside it, a claim
+        # for the whole GPU does not.
+        taken = stray(occ)
+        return taken == 0 or (lease.memory is not None and lease.memory <= device.memory_total - taken)
     need = lease.promised_memory(device)
     if restoring is not None:
         # By the books (what the holders were promised) and in fact (what their kernels hold,
         # which may be more than a shared lease's share).
         room = device.memory_total - occ.outside
         return occ.promised + max(need, restoring) <= room and occ.held + restoring <= room
-    return occ.promised + need <= device.memory_total
+    return occ.promised + need <= device.memory_total - stray(occ)
 
 
 def restore_short(device: Device, occ: Occupancy, lease: Lease) -> int | None:
@@ -156,7 +177,8 @@ def _order(lease: Lease, candidates: list[Device], occ: dict[str, Occupancy]) ->
         return sorted(candidates, key=_load_key)
 
     def leftover(device: Device) -> tuple:
-        left = device.memory_total - occ[device.uuid].promised - lease.promised_memory(device)
+        taken = occ[device.uuid]
+        left = device.memory_total - stray(taken) - taken.promised - lease.promised_memory(device)
         return (left, *_load_key(device))
 
     return sorted(candidates, key=leftover)

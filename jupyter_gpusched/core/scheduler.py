@@ -89,6 +89,8 @@ class _Host:
         self.occupancies: dict[tuple[bool, int, int, int, int], Occupancy] = {}
         # Devices whose processes use memory (a restore counts it against the checkpoint).
         self.used = {d.uuid: d for d in devices if d.memory_used}
+        # The schedulable ones among them (where memory outside any lease can keep a claim off).
+        self.used_pool = tuple(d for d in self.pool if d.memory_used)
 
     def occupancy_of(
         self, exclusive: bool, promised: int, holders: int, outside: int = 0, held: int = 0
@@ -468,7 +470,7 @@ class _Pass:
         the real free memory for its checkpoint (None: that is not what keeps it waiting)."""
         need = restore_need(lease)
         if need is None:
-            return None
+            return None if lease.home else self.stray_short(lease, occ, avoid)
         short = []
         for uuid in sorted(self.usable(lease) - set(avoid)):
             device = self.by_uuid[uuid]
@@ -484,6 +486,28 @@ class _Pass:
             f"{format_bytes(need - RESTORE_MARGIN)}{per_gpu} checkpoint (and a {format_bytes(RESTORE_MARGIN)} "
             f"margin): processes outside any lease use {format_bytes(outside)} there; it is restored once "
             "enough memory is free"
+        )
+
+    def stray_short(self, lease: Lease, occ, avoid: AbstractSet[str]) -> str | None:
+        """Why a new claim waits when a GPU it could use is free by the leases' books but
+        processes outside any lease hold memory there that the claim does not fit beside (None:
+        that is not what keeps it waiting)."""
+        blocked = []
+        for device in self.host.used_pool:
+            taken = occ[device.uuid]
+            if device.uuid in avoid or not taken.outside or fits(device, taken, lease):
+                continue
+            if fits(device, Occupancy(taken.exclusive, taken.promised, taken.holders), lease):
+                blocked.append((-taken.outside, device.index, taken.outside))
+        if not blocked:
+            return None
+        _, index, outside = min(blocked)
+        beside = "a claim for the whole GPU" if lease.memory is None else f"its {format_bytes(lease.memory)}"
+        more = f" (and {len(blocked) - 1} other GPU(s) likewise)" if len(blocked) > 1 else ""
+        return (
+            f"waiting for a GPU: processes outside any lease hold {format_bytes(outside)} on GPU {index}"
+            f"{more}, and {beside} does not fit beside that; it is granted once that memory is freed "
+            "or another GPU is free"
         )
 
     def why_waiting(self, lease: Lease, possible: bool, short: str | None = None) -> str:
