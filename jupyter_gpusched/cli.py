@@ -22,7 +22,7 @@ PROG = "jupyter gpusched"
 # -- argument types ------------------------------------------------------------------------------
 def _duration(text: str) -> float:
     try:
-        return parse_duration(text, "duration")
+        return parse_duration(text, "duration", bare_seconds=True)  # the options say S: seconds
     except SchedulingError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
 

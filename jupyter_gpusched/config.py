@@ -59,6 +59,8 @@ def host_memory_budget(value: int | str, total: int | None = None) -> int | None
         return 0
     try:
         size = core.parse_memory(value, name)
+    except core.MissingUnit as err:
+        raise TraitError(f"{err}, a percentage of the host's RAM such as '50%', or 'unlimited'") from None
     except core.SchedulingError:
         size = None
     if size is None:
@@ -67,6 +69,18 @@ def host_memory_budget(value: int | str, total: int | None = None) -> int | None
             f"RAM such as '50%', or 'unlimited', not {value!r}"
         )
     return size
+
+
+class _Size(Union):
+    """A size trait set from text (the command line) as a size: ``--...=16`` is refused for
+    its missing unit instead of being read as 16 bytes. A number in a Python config file is
+    bytes, as its help says."""
+
+    def from_string(self, s: str) -> Any:
+        text = s.strip()
+        if text.isdigit() and int(text) != 0:
+            host_memory_budget(text)  # raises, saying what to write
+        return super().from_string(s)
 
 
 def one_of(name: str, choices: Sequence[str]) -> Any:
@@ -179,7 +193,7 @@ class SchedulingConfig(Configurable):
         never pruned, whatever their age.""",
     ).tag(config=True)
 
-    checkpoint_host_memory = Union(
+    checkpoint_host_memory = _Size(
         [Int(), Unicode()],
         default_value=DEFAULT_CHECKPOINT_HOST_MEMORY,
         help="""Host memory that checkpoints may hold together: a number of bytes, a size such as

@@ -23,10 +23,12 @@ from ..core.units import MAX_MEMORY, QUOTE_LIMIT, quote
 # ECMA 262's regular expressions read them alike; Python matches them whole (``fullmatch``).
 ID_REGEX = r"[A-Za-z0-9_-]{1,128}"
 _NUMBER = r"[0-9]+(?:\.[0-9]+)?"
-#: ``16GiB``, ``512 MiB``, ``80G``, ``1024``: the units ``core.parse_memory`` knows, any case.
-MEMORY_REGEX = rf"(?: *{_NUMBER} *(?:[bB]|[kKmMgGtT](?:[iI]?[bB])?)? *)?"
-#: ``30m``, ``1h30m``, ``90 s``, ``2``: the units ``core.parse_duration`` knows, any case.
-DURATION_REGEX = rf" *(?:{_NUMBER} *|(?:{_NUMBER} *(?:[sS](?:[eE][cC])?|[mM](?:[iI][nN])?|[hH][rR]?|[dD]) *)+)"
+#: ``16GiB``, ``512 MiB``, ``80G``, ``4096B``: the units ``core.parse_memory`` knows, any case. A
+#: string needs its unit ('16' is refused: a JSON number is the way to say bytes).
+MEMORY_REGEX = rf"(?: *{_NUMBER} *(?:[bB]|[kKmMgGtT](?:[iI]?[bB])?) *)?"
+#: ``30m``, ``1h30m``, ``90 s``, ``0``: the units ``core.parse_duration`` knows, any case. A string
+#: needs its unit but for zero ('30' is refused: a JSON number is the way to say seconds).
+DURATION_REGEX = rf" *(?:0+(?:\.0+)? *|(?:{_NUMBER} *(?:[sS](?:[eE][cC])?|[mM](?:[iI][nN])?|[hH][rR]?|[dD]) *)+)"
 _MEMORY = re.compile(MEMORY_REGEX)
 _DURATION = re.compile(DURATION_REGEX)
 

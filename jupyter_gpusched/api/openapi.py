@@ -74,9 +74,10 @@ _MEMORY = {
         {"type": "null"},
     ],
     "description": (
-        "memory per GPU: bytes, or a size such as '16GiB' (units B, K, KB, KiB, M, MB, MiB, G, "
-        "GB, GiB, T, TB, TiB, any case); null or '' for a whole GPU. More than the largest GPU "
-        "has is refused (400)."
+        "memory per GPU: a number of bytes, or a string with its unit such as '16GiB' (units B, K, "
+        "KB, KiB, M, MB, MiB, G, GB, GiB, T, TB, TiB, any case; a string without a unit such as "
+        "'16' is refused, 400); null or '' for a whole GPU. More than the largest GPU has is "
+        "refused (400)."
     ),
 }
 
@@ -91,7 +92,10 @@ def _seconds(description: str, *, null: bool = False, boolean: bool = False) -> 
         kinds.append({"type": "boolean"})
     if null:
         kinds.append({"type": "null"})
-    return {"anyOf": kinds, "description": description}
+    return {
+        "anyOf": kinds,
+        "description": f"{description}. A number is seconds; a string needs its unit ('30m', '90s'), '0' aside.",
+    }
 
 
 def _body(schema: dict, required: bool = True) -> dict:

@@ -37,7 +37,7 @@ from .model import (
     Step,
 )
 from .scheduler import plan
-from .units import format_bytes, format_duration, parse_duration, parse_memory
+from .units import MissingUnit, format_bytes, format_duration, parse_duration, parse_memory
 
 __all__ = [
     "EXCLUSIVE",
@@ -51,6 +51,7 @@ __all__ = [
     "KernelActivity",
     "Lease",
     "LeaseState",
+    "MissingUnit",
     "NoCapacity",
     "Plan",
     "SchedConfig",

@@ -31,6 +31,21 @@ _DURATION_UNITS = {"": 1, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "hr":
 _DURATION_RE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)")
 #: The most characters of a value a message quotes back: a 10 MB typo is not worth 10 MB of reply.
 QUOTE_LIMIT = 100
+#: The forms a message about a size or a duration shows.
+SIZE_FORMS = "'16GiB', '512MiB' or '80GB'"
+DURATION_FORMS = "'90s', '30m', '1h30m' or '2h'"
+
+
+class MissingUnit(SchedulingError):
+    """Text that is a number alone (``'16'``, ``'30'``): a size or a duration typed without its
+    unit is refused, never read as bytes or seconds. ``number`` is the number as typed, so that
+    a caller can show the fix in its own syntax (``--memory 16GiB``, ``%gpu keep 30m``)."""
+
+    def __init__(self, message: str, number: str, kind: str) -> None:
+        super().__init__(message)
+        self.number = number
+        #: ``"size"`` or ``"duration"``.
+        self.kind = kind
 
 
 def quote(value: object, limit: int = QUOTE_LIMIT) -> str:
@@ -52,9 +67,10 @@ def quote(value: object, limit: int = QUOTE_LIMIT) -> str:
 
 
 def parse_memory(value: object, field: str = "memory") -> int | None:
-    """Bytes from ``16GiB``, ``16 GB``, ``512MiB`` or a plain number of bytes.
+    """Bytes from ``16GiB``, ``16 GB``, ``512MiB``, ``4096B`` or a number (int or float) of bytes.
 
-    ``None`` and empty strings mean "no memory limit" (a whole GPU).
+    ``None`` and empty strings mean "no memory limit" (a whole GPU). Text must carry its unit:
+    ``'16'`` raises :class:`MissingUnit` (it would be 16 bytes, where 16 GiB was surely meant).
     """
     if value is None or value == "":
         return None
@@ -67,6 +83,8 @@ def parse_memory(value: object, field: str = "memory") -> int | None:
         if not match:
             raise SchedulingError(f"{field} must be a size such as '16GiB' or '512MiB', not {quote(value)}")
         number, unit = float(match.group(1)), match.group(2).lower()
+        if not unit and number != 0:  # zero is zero in any unit: refused below for what it is
+            raise MissingUnit(missing_size(field, match.group(1)), match.group(1), "size")
         if unit not in _SIZE_UNITS:
             raise SchedulingError(f"{field} has an unknown unit {quote(match.group(2))}: use B, MiB, GiB or TiB")
     else:
@@ -89,8 +107,50 @@ def _to_float(value: int | float, field: str, what: str) -> float:
         raise SchedulingError(f"{field} of {quote(value)} {what} is too large") from None
 
 
-def parse_duration(value: object, field: str = "duration") -> float:
-    """Seconds from ``30m``, ``1h30m``, ``90s``, ``2h`` or a plain number of seconds."""
+def unit_fixes(number: str, kind: str) -> tuple[str, str]:
+    """The two ways to write ``number`` with a unit, the likelier first: ``16`` -> ``16GiB``,
+    ``16MiB``; a byte count (``17179869184``) -> ``17179869184B`` first; ``30`` -> ``30m``, ``30s``."""
+    try:
+        value = float(number)
+    except ValueError:
+        value = 0.0
+    if kind == "size":
+        return (f"{number}B", f"{number}GiB") if value >= 1024**2 else (f"{number}GiB", f"{number}MiB")
+    return (f"{number}s", f"{number}m") if value >= 300 else (f"{number}m", f"{number}s")
+
+
+#: The longest number a message about a missing unit repeats (with its fixes); a longer one is
+#: quoted cut short and no fix is spelt out.
+_FIX_LIMIT = 24
+
+
+def _missing(field: str, number: str, kind: str, unit: str, forms: str) -> str:
+    if len(number) > _FIX_LIMIT:
+        return f"{field} needs a unit: {quote(number)} is a number alone. Write it with its unit ({kind}s look like {forms})"
+    first, second = unit_fixes(number, kind)
+    return (
+        f"{field} needs a unit: {number!r} alone would be {number} {unit}. Write '{first}' or "
+        f"'{second}' ({kind}s look like {forms})"
+    )
+
+
+def missing_size(field: str, number: str) -> str:
+    """What to say about a size typed without its unit."""
+    return _missing(field, number, "size", "bytes", SIZE_FORMS)
+
+
+def missing_duration(field: str, number: str) -> str:
+    """What to say about a duration typed without its unit."""
+    return _missing(field, number, "duration", "seconds", DURATION_FORMS)
+
+
+def parse_duration(value: object, field: str = "duration", *, bare_seconds: bool = False) -> float:
+    """Seconds from ``30m``, ``1h30m``, ``90s``, ``2h`` or a number (int or float) of seconds.
+
+    Text must carry its unit, except ``'0'`` (no time at all): ``'30'`` raises
+    :class:`MissingUnit`, unless ``bare_seconds`` says the text is documented as seconds (a
+    command-line option whose help says so).
+    """
     if isinstance(value, bool):
         raise SchedulingError(f"{field} must be a duration such as '30m' or a number of seconds")
     if isinstance(value, (int, float)):
@@ -111,6 +171,9 @@ def parse_duration(value: object, field: str = "duration") -> float:
         # than 1 hour 30 seconds or 10 seconds.
         if text[pos:].strip() or not parts or (len(parts) > 1 and "" in parts):
             raise SchedulingError(f"{field} must be a duration such as '30m' or '1h30m', not {quote(value)}")
+        if parts == [""] and seconds != 0 and not bare_seconds:
+            number = text
+            raise MissingUnit(missing_duration(field, number), number, "duration")
     else:
         raise SchedulingError(f"{field} must be a duration such as '30m' or a number of seconds")
     if math.isnan(seconds) or seconds < 0:

@@ -43,12 +43,14 @@ class GPU:
 
         Args:
             count: how many GPUs (default: the kernelspec's, else 1).
-            memory: memory per GPU, ``"16GiB"`` or bytes (default: a whole GPU, or the
-                kernelspec's).
+            memory: memory per GPU, a size with its unit (``"16GiB"``, ``"512MiB"``) or a
+                number of bytes from 1 MiB up (default: a whole GPU, or the kernelspec's). A
+                string without a unit (``"16"``) or a number under 1 MiB (``16``) is refused.
             mode: ``"exclusive"`` or ``"shared"`` (default: the kernelspec's).
             wait: ``None`` waits without a limit (showing the queue position), ``0`` or
                 ``False`` returns at once (a pending lease keeps its place in the queue),
-                seconds or ``"10m"`` waits that long and then withdraws the request.
+                a duration with its unit (``"10m"``, ``"90s"``) or a number of seconds waits
+                that long and then withdraws the request (``"10"``, without a unit, is refused).
             priority: a priority among this user's own claims.
 
         Returns:

@@ -20,6 +20,11 @@ if TYPE_CHECKING:
     from .agent import Agent
 
 
+#: The smallest number the Python API reads as bytes of memory: below it a number is a size
+#: whose unit was left out (``memory=16``), refused rather than taken as 16 bytes.
+MIN_BYTES = 1024**2
+
+
 class WaitCancelled(KeyboardInterrupt):
     """The user interrupted a wait for a GPU; the claim was withdrawn (or left to restore)."""
 
@@ -202,6 +207,12 @@ class Claims:
             raise ValueError(f"count must be a whole number of GPUs, at least 1 (not {count!r})")
         if memory is None:
             memory_bytes = settings.memory
+        elif isinstance(memory, (int, float)) and not isinstance(memory, bool) and 0 < memory < MIN_BYTES:
+            # No claim is this small: a number alone here is a size whose unit was left out.
+            raise ValueError(
+                f"memory={memory!r} would be {memory:g} bytes: give the unit, as in memory='{memory:g}GiB' "
+                "(sizes look like '16GiB', '512MiB' or '80GB'; a number is read as bytes)"
+            )
         else:
             memory_bytes = render.parse_memory(memory)
         if mode is None:

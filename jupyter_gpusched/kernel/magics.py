@@ -71,6 +71,31 @@ def _parsers() -> dict[str, _Parser]:
     return {"status": status, "acquire": acquire, "release": release, "keep": keep, "panel": panel}
 
 
+def _with_unit(text: str, option: str, kind: str, aside: str = "") -> None:
+    """Refuse a size or a duration typed without its unit (``--memory 16``, ``%gpu keep 30``),
+    showing the fix as the user would type it; anything else wrong is left to the parser."""
+    from ..core.units import DURATION_FORMS, SIZE_FORMS, MissingUnit, parse_duration, parse_memory, unit_fixes
+
+    try:
+        if kind == "size":
+            parse_memory(text, option)
+        else:
+            parse_duration(text, option)
+    except MissingUnit as err:
+        n = err.number
+        if len(n) > 24:
+            raise UsageError(str(err)) from None
+        fixes = unit_fixes(n, kind)
+        said, forms = (f"{n} bytes", SIZE_FORMS) if kind == "size" else (f"{n} seconds", DURATION_FORMS)
+        forms = forms.replace("'", "")
+        raise UsageError(
+            f"`{option} {n}` needs a unit: a number alone would be {said}. Write `{option} {fixes[0]}` "
+            f"or `{option} {fixes[1]}` ({kind}s look like {forms}{'; ' + aside if aside else ''})."
+        ) from None
+    except ValueError:
+        pass  # said by the call that uses it, as before
+
+
 @magics_class
 class GPUMagics(Magics):
     """The ``%gpu`` line magic; the work is done by the kernel agent."""
@@ -125,6 +150,9 @@ class GPUMagics(Magics):
             wait = 0
         elif args.wait is not None:
             wait = args.wait
+            _with_unit(wait, "--wait", "duration", "--no-wait does not wait")
+        if args.memory is not None:
+            _with_unit(args.memory, "--memory", "size")
         self.agent.acquire(args.count, memory=args.memory, mode=args.mode, wait=wait, priority=args.priority)
 
     def _release(self, args: argparse.Namespace) -> None:
@@ -132,6 +160,7 @@ class GPUMagics(Magics):
 
     def _keep(self, args: argparse.Namespace) -> None:
         duration = "0" if args.duration in ("off", "none", "no") else args.duration
+        _with_unit(duration, "%gpu keep", "duration", "0 or off stops keeping")
         self.agent.keep(duration)
 
     def _panel(self, args: argparse.Namespace) -> None:
