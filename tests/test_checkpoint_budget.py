@@ -26,19 +26,21 @@ def test_a_checkpoint_over_the_budget_goes_on_down_the_ladder_and_says_why():
     step, why = choose_step(idle_lease(memory_held=10 * GiB), SchedConfig(), CHECKPOINT, checkpoint_room=4 * GiB)
     assert step == Step.RESTART
     assert why == (
-        "no gentler step: a checkpoint of 10.0 GiB would go over checkpoint_host_memory (4.0 GiB of it left)"
+        "its GPU state cannot be kept (a restart is all that is left): a checkpoint of 10.0 GiB would not fit in "
+        "the host memory left for checkpoints (4.0 GiB left of what the checkpoint_host_memory setting allows)"
     )
     step, why = choose_step(
         idle_lease(memory_held=10 * GiB), SchedConfig(reclaim_fallback="none"), CHECKPOINT, checkpoint_room=0
     )
-    assert step is None and "would go over checkpoint_host_memory" in why and "'none'" in why
+    assert step is None and "would not fit in the host memory left for checkpoints" in why
+    assert why.endswith("this server never restarts or shuts down a kernel to free a GPU (reclaim_fallback is 'none')")
 
 
 def test_a_shared_lease_over_its_share_drops_its_caches_when_its_checkpoint_does_not_fit():
     over = replace(idle_lease(memory_held=20 * GiB), mode="shared", memory=10 * GiB)
     step, why = choose_step(over, SchedConfig(), CHECKPOINT, checkpoint_room=GiB)
     assert step == Step.FREE_CACHE
-    assert why.startswith("a checkpoint of 20.0 GiB would go over checkpoint_host_memory")
+    assert why.startswith("a checkpoint of 20.0 GiB would not fit in the host memory left for checkpoints")
 
 
 def test_checkpoints_held_are_suspended_leases_restores_waiting_and_checkpoints_being_written():
@@ -81,7 +83,7 @@ def test_when_two_borrowed_leases_are_wanted_only_the_checkpoint_that_fits_is_ta
     assert len(suspended_ids) == 1
     other = ({"a1", "a2"} - set(suspended_ids)).pop()
     assert steps[other] == Step.RESTART
-    assert "a checkpoint of 8.0 GiB would go over checkpoint_host_memory (4.0 GiB of it left)" in host[other].reason
+    assert "a checkpoint of 8.0 GiB would not fit in the host memory left for checkpoints (4.0 GiB left of" in host[other].reason
 
 
 def test_without_a_budget_both_borrowed_leases_are_checkpointed():
@@ -103,7 +105,7 @@ def test_a_restore_gives_its_share_of_the_budget_back():
     host.tick(400, carry_out=False)
     other = ({"a1", "a2"} - {first}).pop()
     assert host[other].reclaim_step == Step.RESTART
-    assert "would go over checkpoint_host_memory (0 B of it left)" in host[other].reason
+    assert "for checkpoints (0 B left of what the checkpoint_host_memory setting allows)" in host[other].reason
 
 
 def test_an_idle_lease_due_for_a_checkpoint_waits_for_release_timeout_when_the_budget_is_full():
@@ -130,11 +132,11 @@ def test_an_idle_lease_due_for_a_checkpoint_waits_for_release_timeout_when_the_b
     assert "reclaim" not in full.kinds("a", result) and "notice" not in full.kinds("a", result)
     full.tick(3600)
     assert full["a"].reclaim_step == Step.RESTART
-    assert "would go over checkpoint_host_memory" in full["a"].reason
+    assert "would not fit in the host memory left for checkpoints" in full["a"].reason
 
 
 def test_the_forecast_says_a_checkpoint_will_not_fit():
     host = two_borrowed_leases(budget=4 * GiB)
     ahead = forecast(host["a1"], list(host.leases.values()), 100.0, host.cfg, CHECKPOINT, host.devices)
     assert ahead.step == Step.RESTART
-    assert "would go over checkpoint_host_memory" in ahead.reason
+    assert "would not fit in the host memory left for checkpoints" in ahead.reason

@@ -67,7 +67,7 @@ async def test_a_second_checkpoint_over_the_budget_is_not_taken_and_the_reason_s
     leases = [await _lease_of(jp_fetch, k.id) for k in (k1, k2)]
     other = next(le for le in leases if le["state"] != "suspended")
     assert other["state"] == "reclaiming" and other["reclaim_step"] == "restart", other
-    assert "a checkpoint of 2.0 GiB would go over checkpoint_host_memory (1.0 GiB of it left)" in other["reason"]
+    assert "a checkpoint of 2.0 GiB would not fit in the host memory left for checkpoints (1.0 GiB left of" in other["reason"]
     await busy
 
 
@@ -93,7 +93,8 @@ async def test_the_executor_does_not_take_a_checkpoint_that_grew_past_the_budget
     await _until(lambda: _state_is(jp_fetch, lease.id, "idle"), what="the checkpoint to be turned down")
     got = (await api(jp_fetch, "leases", lease.id))[1]
     assert got["reason"] == (
-        "checkpoint not taken: a checkpoint of 4.0 GiB would go over checkpoint_host_memory (3.0 GiB of it left)"
+        "checkpoint not taken: a checkpoint of 4.0 GiB would not fit in the host memory left for checkpoints "
+        "(3.0 GiB left of what the checkpoint_host_memory setting allows)"
     )
     assert Step.CHECKPOINT in arbiter.live_lease(lease.id).tried_steps
     out = await k.execute("print(simulated.memory_allocated())")

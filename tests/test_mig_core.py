@@ -43,14 +43,14 @@ def test_the_ladder_skips_the_checkpoint_step_on_a_mig_instance_and_says_why():
     caps = serving(CHECKPOINT, DEVICES)
     step, why = choose_step(held("m", "MIG-a", state=LeaseState.IDLE), SchedConfig(), caps)
     assert step == Step.RESTART
-    assert why.startswith(f"no gentler step: {MIG_REFUSED}: GPU 2 (A100 MIG 3g.40gb) is a MIG instance")
+    assert why.startswith(f"its GPU state cannot be kept (a restart is all that is left): {MIG_REFUSED}: GPU 2 (A100 MIG 3g.40gb) is a MIG instance")
 
     # A whole GPU of the same host is checkpointed as before.
     assert choose_step(held("w", "GPU-0", state=LeaseState.IDLE), SchedConfig(), caps)[0] == Step.CHECKPOINT
 
     # Never disrupt: nothing is done, and the reason says why.
     step, why = choose_step(held("m", "MIG-a", state=LeaseState.IDLE), SchedConfig(reclaim_fallback="none"), caps)
-    assert step is None and why.startswith(MIG_REFUSED) and "reclaim_fallback is 'none'" in why
+    assert step is None and why.startswith(MIG_REFUSED) and why.endswith("never restarts or shuts down a kernel to free a GPU (reclaim_fallback is 'none')")
 
     # A shared lease over its share goes to free-cache, saying the checkpoint cannot be taken.
     over = held("m", "MIG-a", state=LeaseState.IDLE, mode="shared", memory=GiB)
@@ -62,7 +62,7 @@ def test_a_gpu_the_checkpointer_cannot_serve_is_skipped_like_a_mig_instance():
     why_not = "the CUDA driver does not support checkpoints on GPU 0"
     caps = Capabilities(checkpoint=True, checkpoint_reason="driver 570", no_checkpoint={"GPU-0": why_not})
     step, why = choose_step(held("w", "GPU-0", state=LeaseState.IDLE), SchedConfig(), caps)
-    assert step == Step.RESTART and why == f"no gentler step: {why_not}"
+    assert step == Step.RESTART and why == f"its GPU state cannot be kept (a restart is all that is left): {why_not}"
     assert choose_step(held("x", "GPU-1", state=LeaseState.IDLE), SchedConfig(), caps)[0] == Step.CHECKPOINT
 
 

@@ -33,8 +33,8 @@ def over_budget(lease: Lease, room: int | None) -> str | None:
     if size <= room:
         return None
     return (
-        f"a checkpoint of {format_bytes(size)} would go over checkpoint_host_memory "
-        f"({format_bytes(max(room, 0))} of it left)"
+        f"a checkpoint of {format_bytes(size)} would not fit in the host memory left for checkpoints "
+        f"({format_bytes(max(room, 0))} left of what the checkpoint_host_memory setting allows)"
     )
 
 
@@ -76,6 +76,14 @@ def checkpoint_refused(lease: Lease, caps: Capabilities) -> str | None:
     return None
 
 
+#: How a reason says the kernel's GPU state cannot be kept (the steps that keep it do not apply).
+NO_KEEPING = "its GPU state cannot be kept"
+#: Why no checkpoint is taken on a server whose checkpoints are off.
+CHECKPOINTS_OFF = "checkpoints are turned off on this server (the checkpoint setting)"
+#: What a server whose fallback is ``none`` never does.
+NEVER_DISRUPTS = "this server never restarts or shuts down a kernel to free a GPU (reclaim_fallback is 'none')"
+
+
 def choose_step(
     lease: Lease, cfg: SchedConfig, caps: Capabilities, checkpoint_room: int | None = None
 ) -> tuple[Step | None, str]:
@@ -101,16 +109,16 @@ def choose_step(
         how = "the kernel holds more than its share: dropping framework caches"
         return Step.FREE_CACHE, f"{skipped}; {how}" if skipped else how
     if cfg.checkpoint == "off":
-        why = "checkpoint is off"
+        why = CHECKPOINTS_OFF
     else:
         why = skipped or caps.checkpoint_reason
     if cfg.reclaim_fallback == "restart":
-        return Step.RESTART, f"no gentler step: {why}"
+        return Step.RESTART, f"{NO_KEEPING} (a restart is all that is left): {why}"
     if cfg.reclaim_fallback == "shutdown":
-        return Step.SHUTDOWN, f"no gentler step: {why}"
+        return Step.SHUTDOWN, f"{NO_KEEPING} (a shutdown is all that is left): {why}"
     if skipped:
-        return None, f"{skipped}, and reclaim_fallback is 'none'"
-    return None, "reclaim_fallback is 'none' and no gentler step applies"
+        return None, f"{skipped}, and {NEVER_DISRUPTS}"
+    return None, f"nothing frees its GPU without losing the kernel's state, and {NEVER_DISRUPTS}"
 
 
 # -- a shared lease over its memory share ------------------------------------------------------
