@@ -193,7 +193,7 @@ def _simulate(args: argparse.Namespace) -> int:
         simulate_policies,
         verdicts,
     )
-    from .simulate.report import PLACEMENT_WORDS, PlotUnavailable, as_json, plot, table
+    from .simulate.report import PLACEMENT_WORDS, PlotUnavailable, as_json, plot, table, worst_users
 
     try:
         config = SchedConfig(
@@ -239,14 +239,17 @@ def _simulate(args: argparse.Namespace) -> int:
         policies = POLICIES if args.policy == "all" else (args.policy,)
         # Policies replay in parallel processes where the host has the cores.
         results = simulate_policies(trace, policies, gpus, options)
-        capacities = None
+        capacities = every_user = None
         if args.find_capacity:
             capacities = find_capacities(trace, policies, options, known=verdicts(results))
+            every_user = find_capacities(
+                trace, policies, options, known=verdicts(results, every_user=True), every_user=True
+            )
     except (TraceError, SimulationError, SchedulingError) as err:
         return _fail("simulate", str(err))
 
     if args.json:
-        print(json.dumps(as_json(results, capacities), indent=2))
+        print(json.dumps(as_json(results, capacities, every_user), indent=2))
     else:
         gpu_sessions = trace.gpu_sessions
         cells = sum(len(s.cells) for s in gpu_sessions)
@@ -262,8 +265,9 @@ def _simulate(args: argparse.Namespace) -> int:
             f"{trace.static_peak()} at once"
         )
         print()
-        print(table(results, capacities))
+        print(table(results, capacities, every_user))
         print()
+        print(worst_users(results))
         print("delay: from a cell's start in the trace until it really starts (queue wait plus restore); "
               "worst user p95: the highest of each user's own p95")
         budget = options.config.checkpoint_host_memory
@@ -274,6 +278,7 @@ def _simulate(args: argparse.Namespace) -> int:
         if capacities is not None and nodes is None:
             print("capacity: fewest GPUs with p95 cell delay <= 5 s and no disruption ('none': not even "
                   f"{trace.static_peak()})")
+            print("every user: fewest GPUs at which each user's own p95 is <= 5 s, with no disruption")
         elif capacities is not None:
             print(f"capacity: GPUs of the fewest nodes of {per_node} with p95 cell delay <= 5 s and no disruption "
                   f"('none': not even twice the nodes that hold {trace.static_peak()} GPUs)")

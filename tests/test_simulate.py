@@ -296,7 +296,7 @@ def test_cli_json_is_one_object_keyed_by_policy(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert list(out) == list(POLICIES)
     for metrics in out.values():
-        assert list(metrics) == [*METRICS, "capacity"]
+        assert list(metrics) == [*METRICS, "users", "worst_user", "capacity", "capacity_every_user"]
     assert out["hybrid"]["cell_delay_p99_s"] == pytest.approx(37.7 * 0.99, abs=0.01)
     assert out["oracle"]["capacity"] == 1
 

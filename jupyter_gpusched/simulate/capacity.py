@@ -17,6 +17,11 @@ def good_enough(result: Result) -> bool:
     return result.cell_delay_p95_s <= MAX_DELAY_S and result.disruptions == 0
 
 
+def good_for_every_user(result: Result) -> bool:
+    """Each user's own p95 is at most ``MAX_DELAY_S``, and nobody lost their kernel's state."""
+    return result.disruptions == 0 and all(u.p95_s <= MAX_DELAY_S for u in result.users)
+
+
 def _late_cells_that_fail(cells: int) -> int:
     """Cells over ``MAX_DELAY_S`` that make the p95 fail whatever the others wait.
 
@@ -33,12 +38,24 @@ def counted_cells(trace: Trace) -> int:
 
 
 def meets_target(
-    trace: Trace, policy: str, gpus: int, options: ReplayOptions | None = None, progress: bool | None = None
+    trace: Trace,
+    policy: str,
+    gpus: int,
+    options: ReplayOptions | None = None,
+    progress: bool | None = None,
+    every_user: bool = False,
 ) -> bool:
-    """Whether ``gpus`` GPUs serve ``trace`` under ``policy`` with p95 delay <= 5 s and no disruption.
+    """Whether ``gpus`` GPUs serve ``trace`` under ``policy`` with p95 delay <= 5 s and no disruption
+    (``every_user``: each user's own p95 <= 5 s).
 
     The replay stops as soon as the answer is known to be no.
     """
+    if every_user:
+        result = simulate(
+            trace, policy, gpus, options, abort_on_disruption=True, progress=progress,
+            label=f"capacity of {policy} for every user: trying {gpus} GPUs",
+        )
+        return result is not None and good_for_every_user(result)
     result = simulate(
         trace,
         policy,
@@ -60,9 +77,11 @@ def find_capacity(
     *,
     known: dict[int, bool] | None = None,
     progress: bool | None = None,
+    every_user: bool = False,
 ) -> int | None:
     """The fewest GPUs at which ``policy`` meets the target, or ``None`` if even as many as static
-    allocation needs do not.
+    allocation needs do not. ``every_user``: the target is met by each user's own p95 (known
+    verdicts must then be of that target too).
 
     A bisection between the largest single claim and the static need; it assumes that more GPUs
     never make things worse. ``known`` passes verdicts already at hand (host size -> good enough),
@@ -78,7 +97,7 @@ def find_capacity(
     def ok(count: int) -> bool:
         gpus = count * unit
         if gpus not in verdicts:
-            verdicts[gpus] = meets_target(trace, policy, gpus, options, progress)
+            verdicts[gpus] = meets_target(trace, policy, gpus, options, progress, every_user)
         return verdicts[gpus]
 
     need = max(trace.static_peak(), trace.largest_claim())

@@ -39,9 +39,11 @@ def _replay(policy: str, gpus: int, options: ReplayOptions | None) -> Result | N
     return simulate(_trace, policy, gpus, options, progress=False)
 
 
-def _capacity(policy: str, options: ReplayOptions | None, known: dict[int, bool]) -> int | None:
+def _capacity(
+    policy: str, options: ReplayOptions | None, known: dict[int, bool], every_user: bool = False
+) -> int | None:
     assert _trace is not None
-    return find_capacity(_trace, policy, options, known=known, progress=False)
+    return find_capacity(_trace, policy, options, known=known, progress=False, every_user=every_user)
 
 
 def workers(tasks: int, processes: int | None = None) -> int:
@@ -112,32 +114,39 @@ def find_capacities(
     known: Mapping[str, Mapping[int, bool]] | None = None,
     processes: int | None = None,
     progress: bool | None = None,
+    every_user: bool = False,
 ) -> dict[str, int | None]:
     """``{policy: find_capacity(trace, policy, options)}``, the policies in parallel processes.
 
     ``known`` gives, per policy, verdicts already at hand (host size -> good enough), such as
     those of replays just run (see :func:`verdicts`), so that the search never replays them.
+    ``every_user``: the capacity at which each user's own p95 meets the target.
     """
     policies = tuple(policies)
     known = known or {}
     # Derived figures of the trace are worked out once here and travel with it to the workers.
     trace.static_peak(), trace.gpu_sessions  # noqa: B018
+    what = "for every user " if every_user else ""
     return _run(
         trace,
-        {policy: (policy, options, dict(known.get(policy, {}))) for policy in policies},
+        {policy: (policy, options, dict(known.get(policy, {})), every_user) for policy in policies},
         _capacity,
-        lambda policy: find_capacity(trace, policy, options, known=dict(known.get(policy, {})), progress=progress),
+        lambda policy: find_capacity(
+            trace, policy, options, known=dict(known.get(policy, {})), progress=progress, every_user=every_user
+        ),
         processes,
-        f"finding the capacity of {len(policies)} policies",
+        f"finding the capacity {what}of {len(policies)} policies",
         progress,
     )
 
 
-def verdicts(results: Mapping[str, Result]) -> dict[str, dict[int, bool]]:
-    """What finished replays already say about their host sizes, per policy, for ``known``."""
-    from .capacity import good_enough
+def verdicts(results: Mapping[str, Result], every_user: bool = False) -> dict[str, dict[int, bool]]:
+    """What finished replays already say about their host sizes, per policy, for ``known``
+    (``every_user``: of the target for every user)."""
+    from .capacity import good_enough, good_for_every_user
 
-    return {policy: {result.gpus: good_enough(result)} for policy, result in results.items()}
+    good = good_for_every_user if every_user else good_enough
+    return {policy: {result.gpus: good(result)} for policy, result in results.items()}
 
 
 __all__ = ["find_capacities", "simulate_policies", "verdicts", "workers"]

@@ -55,7 +55,9 @@ from ..core.model import (
 from ..core.scheduler import plan
 from ..kubernetes import choose_node
 from . import nodes as cluster
+from . import users as user_delays
 from .progress import Progress, wanted
+from .stats import percentile
 from .trace import Session, Trace
 
 #: Policies the simulator replays: the core's three and two baselines.
@@ -173,6 +175,8 @@ class Result:
     peak_checkpoint_host_gb: float = 0.0
     #: The worst user's p95 cell delay: each user's cells apart, the highest of their p95s.
     user_delay_p95_max_s: float = 0.0
+    #: Each user's cells apart (simulate/users.py): count, p95, GPUs at once, why late cells waited.
+    users: tuple[user_delays.UserDelays, ...] = ()
     #: ``(time, GPUs held from then on)`` at every change.
     held: tuple[tuple[float, int], ...] = ()
     #: ``(time, GPUs busy from then on)`` at every change.
@@ -198,17 +202,6 @@ class Result:
                 value = round(value, 2 if name.endswith("_s") else 4 if name == "efficiency" else 3)
             out[name] = value
         return out
-
-
-def percentile(values: list[float] | tuple[float, ...], q: float) -> float:
-    """The ``q``-th percentile (0-100) with linear interpolation between ranks (as numpy)."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100.0
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def simulate(
@@ -382,6 +375,8 @@ class _Replay:
         self.held_line: list[tuple[float, int]] = [(0.0, 0)]
         self.busy_changes: list[tuple[float, int]] = []
         self.delays: dict[str, list[float]] = {k: [] for k in self.kernels}
+        #: The restore part of each of those delays (seconds; 0 where no restore came first).
+        self.restored: dict[str, list[float]] = {k: [] for k in self.kernels}
         self.disruptions = 0
         #: Bytes that checkpoints hold on every node together (as of each node's last pass).
         self.checkpoint_bytes = 0
@@ -573,6 +568,7 @@ class _Replay:
         kernel.cull_token += 1
         waited = begins - cell.start
         self.delays[kernel.id].append(waited)
+        self.restored[kernel.id].append(delay)
         if waited > self.late_after_s:
             self.late += 1
             if self.abort_after_late is not None and self.late >= self.abort_after_late:
@@ -741,9 +737,11 @@ class _Replay:
             else:
                 busy_line.append((t, level))
         delays = tuple(d for kernel in self.kernels for d in self.delays[kernel])
-        by_user: dict[str, list[float]] = {}
-        for kernel_id, kernel in self.kernels.items():
-            by_user.setdefault(kernel.session.user, []).extend(self.delays[kernel_id])
+        per_user = user_delays.by_user(
+            (kernel.session.user, kernel.session.gpus, delay, restored)
+            for kernel_id, kernel in self.kernels.items()
+            for delay, restored in zip(self.delays[kernel_id], self.restored[kernel_id])
+        )
         return Result(
             policy=self.policy,
             gpus=self.gpus,
@@ -758,7 +756,8 @@ class _Replay:
             restores=self.restores,
             peak_gpus_held=peak,
             peak_checkpoint_host_gb=self.peak_checkpoint_bytes / GB,
-            user_delay_p95_max_s=max((percentile(d, 95) for d in by_user.values() if d), default=0.0),
+            user_delay_p95_max_s=max((u.p95_s for u in per_user.values()), default=0.0),
+            users=tuple(sorted(per_user.values(), key=lambda u: u.user)),
             held=tuple(self.held_line),
             busy=tuple(busy_line),
             delays=delays,

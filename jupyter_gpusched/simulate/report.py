@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from .replay import Result
+from .users import worst
 
 _COLUMNS = (
     ("policy", "policy", "<"),
@@ -30,8 +31,15 @@ PLACEMENT_WORDS = {
 }
 
 
-def as_json(results: Mapping[str, Result], capacities: Mapping[str, int | None] | None = None) -> dict:
-    """One object keyed by policy name, each with the DESIGN section 9 fields (and ``capacity``).
+def as_json(
+    results: Mapping[str, Result],
+    capacities: Mapping[str, int | None] | None = None,
+    every_user: Mapping[str, int | None] | None = None,
+) -> dict:
+    """One object keyed by policy name, each with the DESIGN section 9 fields (and ``capacity``),
+    ``users`` (per user: ``cells``, ``p95_s``, ``gpus_at_once``, ``queue_s`` and ``restore_s`` of
+    their late cells, ``why``: queue, restores, both or none) and ``worst_user`` (the same, with
+    ``user``, for the highest p95).
 
     On a cluster of nodes each also has ``nodes``, ``gpus_per_node``, ``placement``,
     ``gpu_hours_held_per_node`` and ``sessions_per_node`` (in node order), and ``capacity_nodes``.
@@ -39,6 +47,10 @@ def as_json(results: Mapping[str, Result], capacities: Mapping[str, int | None] 
     out = {}
     for policy, result in results.items():
         metrics = result.metrics()
+        users = {u.user: u for u in result.users}
+        metrics["users"] = {name: u.as_json() for name, u in users.items()}
+        slowest = worst(users)
+        metrics["worst_user"] = None if slowest is None else {"user": slowest.user, **slowest.as_json()}
         if result.gpus_per_node is not None:
             metrics["nodes"] = result.nodes
             metrics["gpus_per_node"] = result.gpus_per_node
@@ -50,6 +62,8 @@ def as_json(results: Mapping[str, Result], capacities: Mapping[str, int | None] 
             metrics["capacity"] = capacity
             if result.gpus_per_node is not None:
                 metrics["capacity_nodes"] = None if capacity is None else capacity // result.gpus_per_node
+        if every_user is not None:
+            metrics["capacity_every_user"] = every_user.get(policy)
         out[policy] = metrics
     return out
 
@@ -82,7 +96,11 @@ def seconds(value: float, sep: str = "") -> str:
     return f"{value / 3600:.1f}{sep}h"
 
 
-def table(results: Mapping[str, Result], capacities: Mapping[str, int | None] | None = None) -> str:
+def table(
+    results: Mapping[str, Result],
+    capacities: Mapping[str, int | None] | None = None,
+    every_user: Mapping[str, int | None] | None = None,
+) -> str:
     """A fixed-width table, one row per policy."""
     columns = list(_COLUMNS)
     cluster = any(result.gpus_per_node is not None for result in results.values())
@@ -90,6 +108,8 @@ def table(results: Mapping[str, Result], capacities: Mapping[str, int | None] | 
         columns += [("held_per_node", "GPU-h/node", ">"), ("sessions_per_node", "sessions/node", ">")]
     if capacities is not None:
         columns.append(("capacity", "capacity", ">"))
+    if every_user is not None:
+        columns.append(("capacity_every_user", "every user", ">"))
     rows = [[title for _, title, _ in columns]]
     for policy, result in results.items():
         metrics = result.metrics()
@@ -97,8 +117,9 @@ def table(results: Mapping[str, Result], capacities: Mapping[str, int | None] | 
         for name, _, _ in columns:
             if name == "policy":
                 row.append(policy)
-            elif name == "capacity":
-                cap = capacities.get(policy) if capacities else None
+            elif name in ("capacity", "capacity_every_user"):
+                found = capacities if name == "capacity" else every_user
+                cap = found.get(policy) if found else None
                 text = "none" if cap is None else str(cap)
                 if cap is not None and result.gpus_per_node:
                     text += f" ({cap // result.gpus_per_node}x{result.gpus_per_node})"
@@ -119,6 +140,16 @@ def table(results: Mapping[str, Result], capacities: Mapping[str, int | None] | 
             for text, width, (_, _, align) in zip(row, widths, columns)
         ]
         lines.append("  ".join(parts).rstrip())
+    return "\n".join(lines)
+
+
+def worst_users(results: Mapping[str, Result]) -> str:
+    """Per policy, the user with the highest p95 and why their late cells waited."""
+    lines = []
+    for policy, result in results.items():
+        slowest = worst({u.user: u for u in result.users})
+        if slowest is not None:
+            lines.append(f"worst user under {policy}: {slowest.describe()}")
     return "\n".join(lines)
 
 
