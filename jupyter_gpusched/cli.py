@@ -147,6 +147,11 @@ def _add_simulate(verbs: argparse._SubParsersAction) -> None:
         help="idle seconds before the cull baseline culls a kernel (default: --release-timeout; 0 = never)",
     )
     host.add_argument(
+        "--return-lead", type=_duration, default=0.0, metavar="S",
+        help="seconds between a user's return to a notebook and its next cell: the notebook's signal "
+        "restores a suspended kernel then, where a GPU is free (default 0: the trace records no such times)",
+    )
+    host.add_argument(
         "--tick-seconds", type=float, default=60.0, metavar="S",
         help="seconds per tick of a NotebookOS trace (default 60)",
     )
@@ -228,6 +233,7 @@ def _simulate(args: argparse.Namespace) -> int:
             cull_timeout=args.cull_timeout,
             gpus_per_node=per_node,
             placement=args.placement or "hook",
+            return_lead=args.return_lead,
         )
         if args.tick_seconds <= 0:
             raise SimulationError("--tick-seconds must be more than 0")

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from jupyter_gpusched.cli import main
-from jupyter_gpusched.simulate import parse_csv, simulate
+from jupyter_gpusched.simulate import ReplayOptions, SimulationError, parse_csv, simulate
 from jupyter_gpusched.simulate.capacity import find_capacity
 from jupyter_gpusched.simulate.users import by_user, worst
 
@@ -71,3 +71,39 @@ def test_cli_json_and_table_show_each_user_and_the_capacity_for_every_user(tmp_p
     text = capsys.readouterr().out
     assert "every user" in text.splitlines()[2], "a column of the table"
     assert "worst user under static: big: p95" in text and "for a claim of 2 GPUs at once" in text
+
+
+# Alice's kernel (10 GB) is checkpointed for bob's cell; bob's session ends at 400 and the GPU is
+# free when alice comes back for her cell at 3000.
+COMES_BACK = """\
+session,user,start_s,duration_s,gpus,vram_gb,session_gpus,session_start_s,session_stop_s
+a,alice,0,100,1,10,1,0,4000
+a,alice,3000,100,1,10,1,0,4000
+b,bob,200,100,1,1,1,200,400
+"""
+
+
+def test_a_users_return_restores_the_kernel_before_the_cell_runs():
+    trace = parse_csv(COMES_BACK)
+    plain = simulate(trace, "hybrid", 1)
+    assert plain.suspends == 1 and plain.restores == 1
+    alice = plain.delays[1]
+    assert alice > 5, "without the signal the cell waits for its restore"
+    early = simulate(trace, "hybrid", 1, ReplayOptions(return_lead=15.0))
+    assert early.restores == 1 and early.delays[1] == 0.0, "restored in the 15 s before the cell"
+    short = simulate(trace, "hybrid", 1, ReplayOptions(return_lead=2.0))
+    assert 0 < short.delays[1] == pytest.approx(alice - 2.0), "a short lead saves what it can"
+
+
+def test_a_return_never_takes_a_gpu_from_anyone():
+    # Bob's kernel lives on, idle, holding the GPU: alice's return restores nothing early.
+    trace = parse_csv(COMES_BACK.replace("b,bob,200,100,1,1,1,200,400", "b,bob,200,100,1,1,1,200,4000"))
+    plain = simulate(trace, "hybrid", 1)
+    early = simulate(trace, "hybrid", 1, ReplayOptions(return_lead=15.0))
+    assert plain.suspends == 2 and plain.delays[1] > 5, "bob is checkpointed only when alice's cell asks"
+    assert early.delays == plain.delays and early.suspends == plain.suspends
+
+
+def test_the_return_lead_is_checked():
+    with pytest.raises(SimulationError, match="return lead must be 0 or more"):
+        ReplayOptions(return_lead=-1)

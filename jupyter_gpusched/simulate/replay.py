@@ -88,7 +88,7 @@ CHECKPOINT_GBPS = 2.0
 CHECKPOINT_FIXED_S = 2.7
 
 # Events at one instant are handled in this order: what frees GPUs before what asks for them.
-_END, _SUSPENDED, _CULL, _STOP, _START, _READY, _WAKE = range(7)
+_END, _SUSPENDED, _CULL, _STOP, _START, _READY, _WAKE, _RETURN = range(8)
 
 
 class SimulationError(ValueError):
@@ -122,6 +122,10 @@ class ReplayOptions:
     device_memory: int = 80 * GiB
     gpus_per_node: int | None = None
     placement: str = "hook"
+    #: Seconds between a user's return to a notebook (focus, a cell edited) and its next cell
+    #: running: the notebook's signal starts the restore of a suspended lease then, where a GPU is
+    #: free and nobody waits (0: no signal; the trace records no such times).
+    return_lead: float = 0.0
 
     def __post_init__(self) -> None:
         if self.checkpoint_gbps <= 0 or self.restore_gbps <= 0:
@@ -130,6 +134,8 @@ class ReplayOptions:
             raise SimulationError("the fixed cost of a checkpoint or restore must be 0 or more seconds")
         if self.cull_timeout is not None and self.cull_timeout < 0:
             raise SimulationError("cull timeout must be 0 or more seconds")
+        if self.return_lead < 0:
+            raise SimulationError("the return lead must be 0 or more seconds")
         if self.gpus_per_node is not None and self.gpus_per_node < 1:
             raise SimulationError("a node must have at least 1 GPU")
         if self.placement not in cluster.PLACEMENTS:
@@ -262,6 +268,7 @@ class _Kernel:
         "gaps",
         "last_active_at",
         "node",
+        "ready_at",
     )
 
     def __init__(self, session: Session) -> None:
@@ -284,6 +291,8 @@ class _Kernel:
         self.gaps: tuple[float, ...] = ()
         self.last_active_at: float | None = None
         self.node: _Node | None = None  # where its server runs, from its start on
+        # When a restore begun on the user's return is done (its next cell waits until then).
+        self.ready_at = 0.0
 
     @property
     def id(self) -> str:
@@ -419,6 +428,7 @@ class _Replay:
             _STOP: self.on_stop,
             _START: self.on_start,
             _READY: self.on_ready,
+            _RETURN: self.on_return,
         }
         first = upcoming[0][0] if upcoming else 0.0
         last = max((k.session.stop for k in self.kernels.values()), default=0.0)
@@ -603,7 +613,8 @@ class _Replay:
         elif lease.state == LeaseState.RECLAIMING and lease.reclaim_step == Step.CHECKPOINT:
             pass  # the checkpoint finishes first, then the cell asks for the lease back
         else:
-            self.start_cell(kernel, now)
+            # A restore begun when the user came back may still be under way.
+            self.start_cell(kernel, now, max(0.0, kernel.ready_at - now))
 
     def on_end(self, kernel: _Kernel, now: float, _data: object = None) -> None:
         kernel.running = False
@@ -617,6 +628,9 @@ class _Replay:
             self.push(now + self.cull_timeout, _CULL, kernel, kernel.cull_token)
         if kernel.index < len(cells):
             ready = max(cells[kernel.index].start, now)
+            lead = self.options.return_lead
+            if lead > 0 and self.lazy and ready - lead > now:
+                self.push(ready - lead, _RETURN, kernel, kernel.index)
             if ready == now:
                 self.on_ready(kernel, now)
             else:
@@ -625,6 +639,22 @@ class _Replay:
             self.on_stop(kernel, now)
         if not kernel.stopped:
             self.observe(kernel)
+
+    def on_return(self, kernel: _Kernel, now: float, index: object) -> bool:
+        """The user is back at the notebook before its next cell: a suspended lease is resumed
+        now if a GPU is free for it and nobody waits (the signal never takes a GPU from anyone)."""
+        if kernel.stopped or kernel.index != index or kernel.waiting or not kernel.lease_id:
+            return False
+        node = kernel.node
+        lease = node.leases.get(kernel.lease_id)
+        if lease is None or lease.state != LeaseState.SUSPENDED:
+            return False
+        if any(le.state == LeaseState.PENDING for le in node.leases.values()):
+            return False
+        if len(node.devices) - node.held < lease.count:
+            return False
+        self.resume(kernel, lease, now)
+        return True
 
     # -- session lifetime and the culler -------------------------------------------------------
     def on_start(self, kernel: _Kernel, now: float, _data: object = None) -> bool:
@@ -686,6 +716,7 @@ class _Replay:
         if kernel.resuming:
             self.restores += 1
         restore, kernel.restore, kernel.resuming = kernel.restore, 0.0, False
+        kernel.ready_at = now + restore
         if kernel.waiting:
             self.start_cell(kernel, now, restore)
         elif self.cull_timeout > 0:
