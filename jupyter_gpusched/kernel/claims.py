@@ -61,9 +61,15 @@ class WaitDisplay:
     def update(self, lease: Mapping[str, Any], waited: float) -> None:
         position = lease.get("position")
         where = f"position {position} in the queue" if position else "in the queue"
+        try:
+            status = self.agent.client.status() or {}
+        except GPUSchedError:
+            status = {}
+        soon = reclaim_estimate(status.get("leases") or [], lease, self.agent.clock())
         self.show(
-            f"Waiting for {self.what}: {where} (waited {render.format_duration(waited)})... "
-            "Interrupt the kernel to stop waiting."
+            f"Waiting for {self.what}: {where} (waited {render.format_duration(waited)}). "
+            + (f"{soon} " if soon else "")
+            + "Interrupt the kernel to stop waiting."
         )
 
     def finish(self, text: str) -> None:
@@ -79,6 +85,49 @@ def params_of(lease: Mapping[str, Any]) -> dict[str, Any]:
         "mode": lease.get("mode") or "exclusive",
         "priority": None,
     }
+
+
+def reclaim_estimate(leases: list, claim: Mapping[str, Any], now: float) -> str:
+    """When a GPU is expected for a waiting ``claim``, where a reclaim is already under way
+    (``""`` where none is): the claim at position N gets the Nth GPU to be freed, soonest first.
+
+    ``GPU 1 is being taken back from another kernel: free in about 45s (after its notice).``
+    """
+    position = claim.get("position") or 1
+    freeing = [
+        le
+        for le in leases
+        if le.get("state") == "reclaiming" and le.get("id") != claim.get("id") and le.get("devices")
+    ]
+    if len(freeing) < position:
+        return ""
+    freeing.sort(key=lambda le: render.parse_time(le.get("reclaim_at")) or now)
+    victim = freeing[position - 1]
+    label = render.gpu_label(victim)
+    left = render.seconds_until(victim.get("reclaim_at"), now)
+    step = victim.get("reclaim_step")
+    if step in ("restart", "shutdown") and left:
+        return (
+            f"{label} is being taken back from another kernel: expected free in about "
+            f"{render.format_duration(left)} (when its notice ends)."
+        )
+    doing = {
+        "checkpoint": "its kernel's GPU state is being saved to host memory",
+        "free-cache": "its kernel is freeing cached memory",
+    }.get(str(step), "it is being released")
+    return f"{label} is being taken back from another kernel now ({doing}): expected free shortly."
+
+
+def split_wait(lease: Mapping[str, Any], start: float, end: float) -> tuple[float, float]:
+    """``(seconds queued, seconds restoring)`` of a claim made at ``start`` and answered at
+    ``end`` (wall clock): the server grants a restore (``granted_at``) and answers once the GPU
+    state is back, so what came after the grant was the restore, not the queue."""
+    total = max(0.0, end - start)
+    granted = render.parse_time(lease.get("granted_at"))
+    if granted is None:
+        return total, 0.0
+    queued = min(max(0.0, granted - start), total)
+    return queued, total - queued
 
 
 def wait_seconds(wait: object) -> float | None:
@@ -144,8 +193,10 @@ class Claims:
                 if state in HOLDING:
                     if progress is not None:
                         # Only a wait that was shown is finished; a claim served at once says nothing here.
-                        queued = f" after {render.format_duration(waited)} in the queue" if waited >= 1 else ""
-                        progress.finish(f"Got {render.gpu_label(lease)}{queued}.")
+                        # Queue time only: a restore's own time is said where the restore is.
+                        queued, _restoring = split_wait(lease, start, agent.clock())
+                        after = f" after {render.format_duration(queued)} in the queue" if queued >= 1 else ""
+                        progress.finish(f"Got {render.gpu_label(lease)}{after}.")
                     return lease, True, waited
                 if state == LeaseState.RELEASED:
                     raise GPUSchedError(
@@ -154,7 +205,8 @@ class Claims:
                 pending_id = lease.get("id") or pending_id
                 if remaining is not None and remaining <= chunk:
                     if progress is not None and wait:
-                        progress.finish(f"No GPU became free within {render.format_duration(wait)}.")
+                        # The caller says what became of the claim; the live line only stops.
+                        progress.finish(f"Stopped waiting for {what} after {render.format_duration(wait)}.")
                     return lease, False, waited
                 if progress is not None:
                     progress.update(lease, waited)

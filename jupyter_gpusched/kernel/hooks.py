@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from IPython.core.error import InputRejected
 
 from . import render
-from .claims import WaitCancelled, WaitDisplay, params_of
+from .claims import WaitCancelled, WaitDisplay, params_of, split_wait
 from .client import GPUSchedError
 from .states import HOLDING, LeaseState, ReclaimStep
 
@@ -208,7 +208,7 @@ class Hooks:
                 params["mode"],
                 None,
                 None,
-                what="a GPU to restore this kernel's GPU state onto",
+                what="a GPU to restore this kernel's GPU state",
                 resuming=True,
             )
         except GPUSchedError as err:
@@ -219,9 +219,12 @@ class Hooks:
         agent.start_watcher()
         if granted:
             agent.binding.ensure(resumed, resumed=True)
+            # The wait line says how long the queue took; this says the restore's own time.
+            now = agent.clock()
+            _queued, restoring = split_wait(resumed, now - waited, now)
             agent._say(
                 f"Restored this kernel's GPU state onto {render.gpu_label(resumed)} "
-                f"(in {render.format_duration(waited)})."
+                f"(the restore took {render.format_duration(restoring)})."
             )
 
     def resume_running_cell(self) -> None:

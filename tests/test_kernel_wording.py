@@ -1,0 +1,107 @@
+"""What a notebook shows while it waits for a GPU, as a user reads it: real kernels on a real
+server with simulated GPUs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from dataclasses import replace
+
+import pytest
+from conftest import api, live_lease
+
+pytestmark = pytest.mark.slow
+
+GiB = 1024**3
+
+
+async def _until(predicate, timeout: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = await predicate()
+        if value:
+            return value
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _state(jp_fetch, lease_id: str, state: str):
+    async def check() -> bool:
+        code, lease = await api(jp_fetch, "leases", lease_id)
+        return code == 200 and lease["state"] == state
+
+    return check
+
+
+@pytest.fixture
+def sched_config(sched_config):
+    sched_config["simulated_devices"] = 1
+    return sched_config
+
+
+async def test_a_queued_restore_says_when_a_gpu_is_expected_and_its_restore_time_apart(
+    jp_fetch, gpu_kernelspec, start_kernel, arbiter, use_clock
+):
+    clock = use_clock
+    gpu_kernelspec("gpu")
+    k1 = await start_kernel("gpu")
+    out = await k1.execute("from jupyter_gpusched.devices import simulated\nsimulated.allocate('2GiB')\nmarker = 'kept'")
+    assert out["error"] is None, out
+    lease1 = await live_lease(jp_fetch, k1.id)
+
+    # Another kernel asks for the only GPU; the idle first kernel is checkpointed for it.
+    k2 = await start_kernel("gpu")
+    code, _ = await api(jp_fetch, "leases", method="POST", body={"kernel_id": k2.id})
+    assert code == 202
+    clock.advance(120)
+    await arbiter.tick()
+    await _until(_state(jp_fetch, lease1["id"], "suspended"), what="kernel 1 to be checkpointed")
+    out = await k2.execute("from jupyter_gpusched.devices import simulated\nsimulated.allocate('2GiB')")
+    assert out["error"] is None, out
+    lease2 = await live_lease(jp_fetch, k2.id)
+    # The second kernel's state will not fit in what is left for checkpoints: a restart, announced.
+    arbiter.cfg = replace(arbiter.cfg, checkpoint_host_memory=3 * GiB)
+
+    resumed = asyncio.ensure_future(k1.execute("print(marker)", timeout=120))
+    await _until(_state(jp_fetch, lease1["id"], "pending"), what="kernel 1 to queue for its restore")
+    clock.advance(120)
+    await arbiter.tick()
+    await _until(_state(jp_fetch, lease2["id"], "reclaiming"), what="kernel 2's restart to be announced")
+    await asyncio.sleep(5)  # the waiting line is refreshed at each of the claim's polls (3 s)
+    clock.advance(61)
+    await arbiter.tick()
+    out1 = await resumed
+    assert out1["error"] is None and "kept" in out1["stdout"], out1
+    lines = [line for shown in out1["display"] for line in shown.splitlines()] + out1["stdout"].splitlines()
+
+    waiting = [line for line in lines if line.startswith("Waiting for")]
+    assert waiting, lines
+    assert all(line.startswith("Waiting for a GPU to restore this kernel's GPU state: position 1 in the queue") for line in waiting)
+    assert not any("onto:" in line for line in lines)
+    # While the other kernel's restart counts down, the line says when the GPU should be free.
+    assert any(
+        re.search(r"GPU 0 is being taken back from another kernel: expected free in about \d+m\d\ds \(when its notice ends\)\.", line)
+        for line in waiting
+    ), waiting
+    # The queue time and the restore's own time are told apart.
+    assert any(re.fullmatch(r"Got GPU 0 after \d+s in the queue\.", line) for line in lines), lines
+    restored = [line for line in lines if line.startswith("Restored")]
+    assert len(restored) == 1 and re.fullmatch(
+        r"Restored this kernel's GPU state onto GPU 0 \(the restore took \d+s\)\.", restored[0]
+    ), restored
+    took = int(re.search(r"took (\d+)s", restored[0]).group(1))
+    assert took < 10, "the queue time is not counted as restore time"
+
+
+async def test_a_wait_that_runs_out_says_so_once(jp_fetch, gpu_kernelspec, start_kernel, arbiter):
+    gpu_kernelspec("gpu")
+    k1 = await start_kernel("gpu")
+    assert (await k1.execute("x = 1"))["error"] is None  # holds the only GPU, busy enough
+    k2 = await start_kernel("gpu")
+    out = await k2.execute("%gpu acquire --wait 3s", timeout=60)
+    said = out["stdout"] + out["stderr"] + "\n".join(out["display"]) + (out["error"] or "")
+    assert said.count("No GPU became free within") == 1, said
+    assert "No GPU became free within 3s (this kernel was at position 1 in the queue). The request was withdrawn." in said
+    assert "Stopped waiting for a GPU after 3s." in said
