@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
+from ..core.units import format_duration
 from .stats import percentile
 
 #: A cell counts as late, for saying why a user waited, when it waited more than this.
@@ -53,8 +54,8 @@ class UserDelays:
             "none": "no cell waited over a second",
         }[self.why]
         return (
-            f"{self.user}: p95 {self.p95_s:.1f} s over {self.cells} cells; {reason} "
-            f"({self.queue_s:.0f} s queued, {self.restore_s:.0f} s restoring in late cells)"
+            f"{self.user}: p95 {format_duration(self.p95_s)} over {self.cells} cells; {reason} "
+            f"(late cells: {format_duration(self.queue_s)} queued, {format_duration(self.restore_s)} restoring)"
         )
 
     def as_json(self) -> dict:
