@@ -36,178 +36,34 @@ cell's end). A session stops at the later of its trace stop and its last cell's 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from ..core import idle
 from ..core.ladder import checkpoint_bytes
 from ..core import usage as core_usage
 from ..core.lifecycle import new_claim, request_resume, step_done, suspended
-from ..core.model import (
-    Capabilities,
-    Device,
-    GiB,
-    KernelActivity,
-    Lease,
-    LeaseState,
-    SchedConfig,
-    Step,
-)
+from ..core.model import Device, KernelActivity, Lease, LeaseState, Step
 from ..core.scheduler import plan
 from ..kubernetes import choose_node
 from . import nodes as cluster
 from . import users as user_delays
+from .options import CHECKPOINT_FIXED_S, CHECKPOINT_GBPS, GB, ReplayOptions, SimulationError
 from .progress import Progress, wanted
+from .results import METRICS, POLICIES, Result
 from .stats import percentile
 from .trace import Session, Trace
 
-#: Policies the simulator replays: the core's three and two baselines.
-POLICIES = ("static", "dynamic", "hybrid", "oracle", "cull")
-#: What DESIGN section 9 reports per policy, in order.
-METRICS = (
-    "gpu_hours_held",
-    "gpu_hours_busy",
-    "efficiency",
-    "cell_delay_p50_s",
-    "cell_delay_p95_s",
-    "cell_delay_p99_s",
-    "disruptions",
-    "suspends",
-    "restores",
-    "peak_gpus_held",
-    "peak_checkpoint_host_gb",
-    "user_delay_p95_max_s",
-)
-
-GB = 10**9
-
-#: Per-GPU bandwidth of a CUDA checkpoint or restore between GPU and host memory, in GB/s, and the
-#: fixed cost of one, in seconds: published cuda-checkpoint measurements (the README cites them)
-#: put a restore of a few GB at several seconds and a whole-GPU toggle at about 15 s; each
-#: cuda-checkpoint call alone pays about 2.7 s to attach to the driver.
-CHECKPOINT_GBPS = 2.0
-CHECKPOINT_FIXED_S = 2.7
+__all__ = [
+    "CHECKPOINT_FIXED_S", "CHECKPOINT_GBPS", "GB", "METRICS", "POLICIES", "ReplayOptions", "Result",
+    "SimulationError", "percentile", "simulate",
+]
 
 # Events at one instant are handled in this order: what frees GPUs before what asks for them.
 _END, _SUSPENDED, _CULL, _STOP, _START, _READY, _WAKE, _RETURN = range(8)
 
 
-class SimulationError(ValueError):
-    """A replay that cannot be run as asked; the message says what to change."""
-
-
 class _Abort(Exception):
     """A replay stopped early because its outcome was already decided (capacity search)."""
-
-
-@dataclass(frozen=True)
-class ReplayOptions:
-    """How the simulated host behaves, beside the scheduling knobs in ``config``.
-
-    ``config.policy`` is ignored: each replay sets the policy it runs. ``cull_timeout`` ``None``
-    means ``config.release_timeout`` (0: never cull). ``gpus_per_node``: the host is a cluster
-    of nodes of that many GPUs each (the GPUs a replay is given, divided among them), and
-    ``placement`` the rule that places each session's server on one (:mod:`.nodes`); ``None``:
-    one pool of GPUs.
-    """
-
-    config: SchedConfig = field(default_factory=SchedConfig)
-    checkpoint_gbps: float = CHECKPOINT_GBPS
-    restore_gbps: float = CHECKPOINT_GBPS
-    checkpoint_fixed_s: float = CHECKPOINT_FIXED_S
-    restore_fixed_s: float = CHECKPOINT_FIXED_S
-    cull_timeout: float | None = None
-    capabilities: Capabilities = Capabilities(
-        checkpoint=True, checkpoint_reason="the simulated driver can checkpoint", remap=True
-    )
-    device_memory: int = 80 * GiB
-    gpus_per_node: int | None = None
-    placement: str = "hook"
-    #: Seconds between a user's return to a notebook (focus, a cell edited) and its next cell
-    #: running: the notebook's signal starts the restore of a suspended lease then, where a GPU is
-    #: free and nobody waits (0: no signal; the trace records no such times).
-    return_lead: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.checkpoint_gbps <= 0 or self.restore_gbps <= 0:
-            raise SimulationError("bandwidth must be more than 0 GB/s")
-        if self.checkpoint_fixed_s < 0 or self.restore_fixed_s < 0:
-            raise SimulationError("the fixed cost of a checkpoint or restore must be 0 or more seconds")
-        if self.cull_timeout is not None and self.cull_timeout < 0:
-            raise SimulationError("cull timeout must be 0 or more seconds")
-        if self.return_lead < 0:
-            raise SimulationError("the return lead must be 0 or more seconds")
-        if self.gpus_per_node is not None and self.gpus_per_node < 1:
-            raise SimulationError("a node must have at least 1 GPU")
-        if self.placement not in cluster.PLACEMENTS:
-            raise SimulationError(
-                f"placement must be one of {', '.join(cluster.PLACEMENTS)}, not {self.placement!r}"
-            )
-
-    def checkpoint_seconds(self, memory: int | None, gpus: int = 1) -> float:
-        """Time to checkpoint ``memory`` bytes of GPU state spread over ``gpus`` GPUs (each GPU's
-        share moves at the per-GPU bandwidth, all GPUs at once)."""
-        if not memory:
-            return 0.0
-        return memory / max(gpus, 1) / (self.checkpoint_gbps * GB) + self.checkpoint_fixed_s
-
-    def restore_seconds(self, memory: int | None, gpus: int = 1) -> float:
-        """Time to restore ``memory`` bytes of GPU state onto ``gpus`` GPUs."""
-        if not memory:
-            return 0.0
-        return memory / max(gpus, 1) / (self.restore_gbps * GB) + self.restore_fixed_s
-
-    @property
-    def effective_cull_timeout(self) -> float:
-        return self.config.release_timeout if self.cull_timeout is None else self.cull_timeout
-
-
-@dataclass(frozen=True)
-class Result:
-    """The outcome of one replay: the section 9 metrics plus the timelines behind them."""
-
-    policy: str
-    gpus: int
-    gpu_hours_held: float
-    gpu_hours_busy: float
-    efficiency: float | None
-    cell_delay_p50_s: float
-    cell_delay_p95_s: float
-    cell_delay_p99_s: float
-    disruptions: int
-    suspends: int
-    restores: int
-    peak_gpus_held: int
-    #: The most host memory that checkpoints held at once, in GB (10**9 bytes).
-    peak_checkpoint_host_gb: float = 0.0
-    #: The worst user's p95 cell delay: each user's cells apart, the highest of their p95s.
-    user_delay_p95_max_s: float = 0.0
-    #: Each user's cells apart (simulate/users.py): count, p95, GPUs at once, why late cells waited.
-    users: tuple[user_delays.UserDelays, ...] = ()
-    #: ``(time, GPUs held from then on)`` at every change.
-    held: tuple[tuple[float, int], ...] = ()
-    #: ``(time, GPUs busy from then on)`` at every change.
-    busy: tuple[tuple[float, int], ...] = ()
-    #: Delay of every counted cell, in trace order per session.
-    delays: tuple[float, ...] = ()
-    #: Scheduling passes run.
-    passes: int = 0
-    #: On a cluster of nodes (``ReplayOptions.gpus_per_node``): its shape, the placement rule,
-    #: and per node the GPU-hours held and the sessions placed there.
-    nodes: int = 1
-    gpus_per_node: int | None = None
-    placement: str | None = None
-    node_gpu_hours_held: tuple[float, ...] = ()
-    node_sessions: tuple[int, ...] = ()
-
-    def metrics(self) -> dict[str, float | int | None]:
-        """The section 9 fields, rounded for people (hours to 1/1000, seconds to 1/100)."""
-        out: dict[str, float | int | None] = {}
-        for name in METRICS:
-            value = getattr(self, name)
-            if isinstance(value, float):
-                value = round(value, 2 if name.endswith("_s") else 4 if name == "efficiency" else 3)
-            out[name] = value
-        return out
 
 
 def simulate(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from .replay import Result
+from .results import Result
 from .users import worst
 
 _COLUMNS = (
