@@ -799,7 +799,8 @@ def test_status_says_what_idle_will_do_and_what_a_shared_lease_uses(shell, provi
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "This kernel holds GPU 0 (1 GPU, 8.0 GiB each, shared): active, uses 2.0 GiB of its 8.0 GiB share."
     hhmm = time.strftime("%H:%M", time.localtime(at))
-    assert lines[1] == f"Idle: checkpointed at {hhmm} (in 58 min) if still idle; after 60 s idle if someone waits."
+    # A standalone server has one user: whoever waits is another of their kernels.
+    assert lines[1] == f"Idle: checkpointed at {hhmm} (in 58 min) if still idle; after 60 s idle if another of your kernels waits."
     row = next(line for line in lines if line.startswith("0 "))
     assert "2.0 GiB (this kernel) / 80.0 GiB" in row and "?" not in row
 

@@ -35,6 +35,16 @@ def _state(jp_fetch, lease_id: str, state: str):
     return check
 
 
+def _holds(jp_fetch, arbiter, kernel_id: str, size: int):
+    """Whether the server has seen ``kernel_id`` hold ``size`` bytes (a tick reads the GPUs)."""
+
+    async def check() -> bool:
+        await arbiter.tick()
+        return (await live_lease(jp_fetch, kernel_id)).get("memory_held") == size
+
+    return check
+
+
 @pytest.fixture
 def sched_config(sched_config):
     sched_config["simulated_devices"] = 1
@@ -50,6 +60,7 @@ async def test_a_queued_restore_says_when_a_gpu_is_expected_and_its_restore_time
     out = await k1.execute("from jupyter_gpusched.devices import simulated\nsimulated.allocate('2GiB')\nmarker = 'kept'")
     assert out["error"] is None, out
     lease1 = await live_lease(jp_fetch, k1.id)
+    await _until(_holds(jp_fetch, arbiter, k1.id, 2 * GiB), what="kernel 1's memory to be seen")
 
     # Another kernel asks for the only GPU; the idle first kernel is checkpointed for it.
     k2 = await start_kernel("gpu")
@@ -61,6 +72,7 @@ async def test_a_queued_restore_says_when_a_gpu_is_expected_and_its_restore_time
     out = await k2.execute("from jupyter_gpusched.devices import simulated\nsimulated.allocate('2GiB')")
     assert out["error"] is None, out
     lease2 = await live_lease(jp_fetch, k2.id)
+    await _until(_holds(jp_fetch, arbiter, k2.id, 2 * GiB), what="kernel 2's memory to be seen")
     # The second kernel's state will not fit in what is left for checkpoints: a restart, announced.
     arbiter.cfg = replace(arbiter.cfg, checkpoint_host_memory=3 * GiB)
 
@@ -105,3 +117,28 @@ async def test_a_wait_that_runs_out_says_so_once(jp_fetch, gpu_kernelspec, start
     assert said.count("No GPU became free within") == 1, said
     assert "No GPU became free within 3s (this kernel was at position 1 in the queue). The request was withdrawn." in said
     assert "Stopped waiting for a GPU after 3s." in said
+
+
+async def test_one_user_reads_of_their_own_kernels_not_of_someone_or_borrowing(
+    jp_fetch, gpu_kernelspec, start_kernel, arbiter
+):
+    gpu_kernelspec("gpu")
+    k1 = await start_kernel("gpu")
+    assert (await k1.execute("x = 1"))["error"] is None  # holds the only GPU
+    out = await k1.execute("%gpu")
+    said = out["stdout"] + "\n".join(out["display"])
+    idle = [line for line in said.splitlines() if line.startswith("Idle:")]
+    assert idle and idle[0].endswith("idle if another of your kernels waits."), said
+    assert "someone waits" not in said
+
+    k2 = await start_kernel("gpu")
+    code, _ = await api(jp_fetch, "leases", method="POST", body={"kernel_id": k2.id})
+    assert code == 202
+    await arbiter.tick()
+    _, status = await api(jp_fetch, "status")
+    (entry,) = status["queue"]
+    assert entry["reason"].endswith(
+        f"1st in line: every GPU is held by other kernels of {status['user']}, the only user here; "
+        "it gets the first they give back"
+    ), entry["reason"]
+    assert "borrow" not in entry["reason"]

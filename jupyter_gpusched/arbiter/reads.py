@@ -77,7 +77,8 @@ class LocalReads:
                     kernel_users[kernel_id] = user
         by_id = {lease.id: lease for lease in self.state.leases}
         waiting = [by_id[lid] for lid in self.state.queue if lid in by_id]
-        standing = explain(waiting, self.state.keys, self.state.recent, self.state.planned_at, self.cfg)
+        users = len({lease.user for lease in self.state.leases if lease.live})
+        standing = explain(waiting, self.state.keys, self.state.recent, self.state.planned_at, self.cfg, users)
         # Everyone a text may name: whoever holds or waits, used a GPU lately or runs a kernel.
         identities = Identities.of(
             self.state.leases,

@@ -259,9 +259,12 @@ def explain(
     recent: Mapping[str, float],
     now: float,
     cfg: SchedConfig,
+    users: int | None = None,
 ) -> dict[str, str]:
     """Why each waiting claim stands where it does in ``queue`` (the fair order of a pass at
-    ``now``; ``keys`` the keys it came out with, ``recent`` the usage it was ordered by).
+    ``now``; ``keys`` the keys it came out with, ``recent`` the usage it was ordered by;
+    ``users`` how many users hold or want GPUs, where known: with one alone, nobody lends and
+    nobody borrows, and a claim beyond the quota waits for that user's own kernels).
 
     Says the claim's place, its class (within quota, beyond it, or served as within quota after a
     long wait), its user's recent usage where it is tracked, and for the claims ahead of it the
@@ -281,6 +284,8 @@ def explain(
             standing = "first come, first served (static policy)"
         elif cfg.policy == "dynamic":
             standing = "no guaranteed shares (dynamic policy)"
+        elif key[0] == 1 and users == 1:
+            standing = f"every GPU is held by other kernels of {lease.user}, the only user here; it gets the first they give back"
         elif key[0] == 1:
             standing = "beyond its user's quota (it would borrow a GPU)"
         elif now - lease.queued_at >= aging:
@@ -288,7 +293,7 @@ def explain(
         else:
             standing = "within quota"
         parts = [f"{_ordinal(i + 1)} in line: {standing}"]
-        if tracked:
+        if tracked and users != 1:  # usage orders users; with one user it decides nothing
             used = format_gpu_time(recent.get(f"user:{lease.user}", 0.0))
             parts.append(f"{lease.user} used {used} recently (half-life {half_life_text(cfg.usage_half_life)})")
         reasons: dict[str, int] = {}

@@ -283,7 +283,7 @@ class Panel:
             if devices:
                 claim = self.first_cell() if self.first_cell is not None and mine is None else None
                 line = render.first_cell_line(claim) if claim else render.lease_line(mine, now)
-                idle = render.idle_line(mine, now)
+                idle = render.idle_line(mine, now, single_user=status.get("mode") == "standalone")
                 value = html.escape(line) + (f"<br>{html.escape(idle)}" if idle else "")
                 _set(self.lease_html, value=value)
             self._render_queue(status.get("queue") or [])

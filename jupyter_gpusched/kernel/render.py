@@ -211,11 +211,16 @@ def span(seconds: float) -> str:
     return f"{hours} h" + (f" {minutes} min" if minutes else "")
 
 
-def idle_line(lease: Mapping[str, Any] | None, now: float) -> str:
+#: Who waits, where it can only be one of the user's own kernels.
+OWN_WAITS = "another of your kernels waits"
+
+
+def idle_line(lease: Mapping[str, Any] | None, now: float, single_user: bool = False) -> str:
     """What idle will do to this kernel's lease, in plain words (``""`` when nothing to say).
 
     From the lease's ``idle_forecast``: ``Idle: checkpointed at 14:32 (in 58 min) if still idle;
-    after 60 s idle if someone waits.``
+    after 60 s idle if someone waits.`` On a server of one user (``single_user``: standalone
+    mode) whoever waits can only be another of that user's kernels, and it says so.
     """
     if not lease or lease.get("state") not in ("active", "idle"):
         return ""
@@ -239,9 +244,9 @@ def idle_line(lease: Mapping[str, Any] | None, now: float) -> str:
     else:
         first = "kept while nobody waits"
     parts = [first]
-    who = {"anyone": "someone waits", "same_user": "another of your kernels waits"}.get(
-        str(forecast.get("contended_by"))
-    )
+    who = {"anyone": "someone waits", "same_user": OWN_WAITS}.get(str(forecast.get("contended_by")))
+    if who and single_user:
+        who = OWN_WAITS
     if who and contended is not None:
         since = parse_time(lease.get("last_active_at"))
         busy_or_unknown = since is None or lease.get("idle_seconds") in (None, 0)
@@ -340,7 +345,7 @@ def status_report(
     first = first_cell_line(first_cell) if first_cell is not None and not live else lease_line(lease, now)
     text: list[str] = [first]
     html_parts: list[str] = [f"<p>{html.escape(text[0])}</p>"]
-    idle = idle_line(lease, now)
+    idle = idle_line(lease, now, single_user=status.get("mode") == "standalone")
     if idle:
         text.append(idle)
         html_parts.append(f"<p>{html.escape(idle)}</p>")
