@@ -146,7 +146,7 @@ def _cgroup_tree(tmp_path, pid, lines_limit, usage=0, v1=None):
 
 
 def test_memory_room_reads_cgroup_v1_and_v2_and_takes_the_tightest_ancestor(tmp_path):
-    from jupyter_gpusched import procs
+    from jupyter_gpusched import cgroups
 
     proc = tmp_path / "proc"
     (proc / "7").mkdir(parents=True)
@@ -156,10 +156,10 @@ def test_memory_room_reads_cgroup_v1_and_v2_and_takes_the_tightest_ancestor(tmp_
         (v2 / folder).mkdir(parents=True)
         (v2 / folder / "memory.max").write_text(f"{limit}\n")
         (v2 / folder / "memory.current").write_text(f"{used}\n")
-    assert procs.memory_room(7, proc=str(proc), root=str(v2)) == 2 * GiB
+    assert cgroups.memory_room(7, proc=str(proc), root=str(v2)) == 2 * GiB
     # The page cache the kernel can drop is not in use: 1 GiB of inactive file cache is room.
     (v2 / "kubepods/pod1" / "memory.stat").write_text(f"anon {5 * GiB}\ninactive_file {GiB}\nactive_file 0\n")
-    assert procs.memory_room(7, proc=str(proc), root=str(v2)) == 3 * GiB
+    assert cgroups.memory_room(7, proc=str(proc), root=str(v2)) == 3 * GiB
 
     (proc / "8").mkdir()
     (proc / "8" / "cgroup").write_text("4:memory:/lab/k\n3:cpu:/\n0::/\n")
@@ -168,14 +168,14 @@ def test_memory_room_reads_cgroup_v1_and_v2_and_takes_the_tightest_ancestor(tmp_
     (v1 / "memory" / "lab" / "k" / "memory.limit_in_bytes").write_text(f"{4 * GiB}\n")
     (v1 / "memory" / "lab" / "k" / "memory.usage_in_bytes").write_text(f"{GiB}\n")
     (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # no limit
-    assert procs.memory_room(8, proc=str(proc), root=str(v1)) == 3 * GiB
+    assert cgroups.memory_room(8, proc=str(proc), root=str(v1)) == 3 * GiB
     (v1 / "memory" / "lab" / "k" / "memory.stat").write_text(f"cache {GiB}\ntotal_inactive_file {GiB // 2}\n")
-    assert procs.memory_room(8, proc=str(proc), root=str(v1)) == 3 * GiB + GiB // 2
+    assert cgroups.memory_room(8, proc=str(proc), root=str(v1)) == 3 * GiB + GiB // 2
 
     (v1 / "memory" / "lab" / "k" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
-    assert procs.memory_room(8, proc=str(proc), root=str(v1)) is None
-    assert procs.memory_room(9, proc=str(proc), root=str(v1)) is None  # no such process
-    assert procs.memory_room(7, proc=str(proc), root=str(tmp_path / "nothing")) is None
+    assert cgroups.memory_room(8, proc=str(proc), root=str(v1)) is None
+    assert cgroups.memory_room(9, proc=str(proc), root=str(v1)) is None  # no such process
+    assert cgroups.memory_room(7, proc=str(proc), root=str(tmp_path / "nothing")) is None
 
 
 async def test_a_checkpoint_that_the_kernels_memory_limit_cannot_hold_is_not_taken(
@@ -183,7 +183,7 @@ async def test_a_checkpoint_that_the_kernels_memory_limit_cannot_hold_is_not_tak
 ):
     """The checkpoint lands in the kernel process's own memory: over its cgroup's limit, the kernel
     would be killed. It is not taken; the kernel and its GPU memory are left alone."""
-    from jupyter_gpusched import procs
+    from jupyter_gpusched import cgroups
 
     gpu_kernelspec("gpu")
     k = await start_kernel("gpu")
@@ -192,7 +192,7 @@ async def test_a_checkpoint_that_the_kernels_memory_limit_cannot_hold_is_not_tak
     )
     assert out["error"] is None, out
     pid = int(out["stdout"].split()[-1])
-    monkeypatch.setattr(procs, "CGROUP_ROOT", str(_cgroup_tree(tmp_path / "cgroup", pid, 3 * GiB, usage=GiB)))
+    monkeypatch.setattr(cgroups, "CGROUP_ROOT", str(_cgroup_tree(tmp_path / "cgroup", pid, 3 * GiB, usage=GiB)))
     monkeypatch.setattr(arbiter, "cfg", replace(arbiter.cfg, checkpoint_host_memory=None))  # only the cgroup
     await arbiter.tick()
     lease = arbiter.live_lease((await _lease_of(jp_fetch, k.id))["id"])

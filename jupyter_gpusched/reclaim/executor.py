@@ -17,7 +17,7 @@ import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
-from .. import core, procs
+from .. import cgroups, core, procs
 from ..arbiter.base import ArbiterEvent, Conflict, notice
 from ..core import Lease, LeaseState, Step, ladder
 from ..core.ladder import checkpoint_bytes
@@ -283,7 +283,7 @@ class ReclaimExecutor:
             if over is not None:
                 return over
         for pid, held in sorted(sizes.items()):
-            room = procs.memory_room(pid)
+            room = cgroups.memory_room(pid)
             if room is not None and held > room:
                 return (
                     f"process {pid}'s {core.format_bytes(held)} of GPU memory would not fit in the "
