@@ -142,3 +142,26 @@ async def test_one_user_reads_of_their_own_kernels_not_of_someone_or_borrowing(
         "it gets the first they give back"
     ), entry["reason"]
     assert "borrow" not in entry["reason"]
+
+
+async def test_gpu_status_and_acquire_show_a_few_readable_lines_and_stay_dicts(
+    jp_fetch, gpu_kernelspec, start_kernel
+):
+    gpu_kernelspec("gpu", gpus=0)
+    kernel = await start_kernel("gpu")
+    out = await kernel.execute("from jupyter_gpusched import gpu\nlease = gpu.acquire()\nlease")
+    assert out["error"] is None, out
+    assert out["display"][-1] == "<GPU lease: This kernel holds GPU 0 (1 GPU, exclusive): active.>", out
+
+    out = await kernel.execute("status = gpu.status()\nstatus")
+    assert out["error"] is None, out
+    shown = out["display"][-1]
+    lines = shown.splitlines()
+    assert lines[0] == "This kernel holds GPU 0 (1 GPU, exclusive): active.", shown
+    assert len(lines) <= 10 and "'memory_total'" not in shown and "is_admin" not in shown, shown
+    # The dict is all there.
+    out = await kernel.execute(
+        "print(status['lease']['state'], lease['devices'] == status['lease']['devices'], len(status['devices']),"
+        " lease.state, isinstance(status, dict))"
+    )
+    assert out["stdout"].strip() == "active True 1 active True", out

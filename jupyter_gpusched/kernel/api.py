@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .agent import Agent, get_agent
+from .results import GPULease, status_result
 
 
 class GPU:
@@ -54,22 +55,24 @@ class GPU:
             priority: a priority among this user's own claims.
 
         Returns:
-            The lease as a dict (``state``, ``devices``, ``position``, ...).
+            The lease: a dict (``state``, ``devices``, ``position``, ...) shown as one line.
         """
-        return self.agent.acquire(count, memory=memory, mode=mode, wait=wait, priority=priority)
+        return GPULease(self.agent.acquire(count, memory=memory, mode=mode, wait=wait, priority=priority))
 
     def release(self) -> dict | None:
         """Give this kernel's GPUs back now; returns the released lease (``None``: none held)."""
         return self.agent.release()
 
     def keep(self, duration: float | str = "30m") -> dict:
-        """No idle reclaim of this kernel's lease for ``duration`` (``"30m"``, seconds; 0 stops)."""
-        return self.agent.keep(duration)
+        """No idle reclaim of this kernel's lease for ``duration``: a duration with its unit
+        (``"30m"``, ``"2h"``) or a number of seconds; 0 stops keeping. ``"30"`` is refused."""
+        return GPULease(self.agent.keep(duration))
 
     def status(self) -> dict:
         """The scheduler's status: ``devices``, ``leases``, ``queue``, ``policy``, ... plus
-        ``kernel_id`` and this kernel's ``lease`` (``None`` when it holds none)."""
-        return self.agent.status()
+        ``kernel_id`` and this kernel's ``lease`` (``None`` when it holds none): a dict shown as
+        ``%gpu`` shows it."""
+        return status_result(self.agent.status())
 
     def panel(self, interval: float = 2.0) -> Any:
         """The live status panel (an ipywidgets box); display it or leave it as a cell's value."""
