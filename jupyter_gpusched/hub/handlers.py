@@ -26,10 +26,10 @@ from ..api import input as api_input
 from ..api import routes
 from ..api.handlers import APIMixin, api_handlers, arbiter_errors
 from ..api.openapi import openapi_document
-from ..api.input import bad_input
+from ..api.input import ID_PATTERN, bad_input
 from ..api.routes import HOST_HEADER, KERNEL_HEADER, PID_HEADER, PIDNS_HEADER, SERVER_HEADER
 from ..api.views import Principal
-from .remote import ID_PATTERN, HeartbeatError
+from .heartbeat import HeartbeatError
 from ..arbiter import LocalArbiter
 from .service import Broker
 

@@ -37,168 +37,59 @@ heartbeats is never taken for the kernel's.
 
 A server's pod is the one the broker finds its process in (:func:`~jupyter_gpusched.procs.pod_name`);
 the host name a server reports is checked against it, and ignored where the broker finds none.
+
+Its parts, each given only what it uses: ``heartbeat.py`` reads a heartbeat, ``registry.py``
+holds the servers and kernels and whose each kernel id is, ``pids.py`` checks the processes the
+servers name, ``admin.py`` answers the admin's views and ``evidence.py`` weighs a server's word
+that a kernel is busy.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Protocol
-
-import psutil
+from typing import Any, Callable, Iterable, Mapping
 
 from .. import procs
 from ..api.input import ID_PATTERN
-from . import evidence
+from . import admin, evidence
+from .heartbeat import MAX_KERNELS, MAX_NOTEBOOK, MAX_PIDS, HeartbeatError, check_kernels, parse_kernel_report
+from .pids import PidChecks, adopt, current_pids, gone, is_current, running_pids, same_server_process
+from .registry import (
+    ENDED_MEMORY,
+    Connection,
+    OnceLog,
+    Registry,
+    RemoteKernel,
+    RemoteServer,
+    TooMany,
+    connected,
+    silent_for,
+)
+
+__all__ = [
+    "CPU_EVIDENCE_NS",
+    "ENDED_MEMORY",
+    "EVIDENCE_WINDOW",
+    "ID_PATTERN",
+    "MAX_KERNELS",
+    "MAX_NOTEBOOK",
+    "MAX_PIDS",
+    "Connection",
+    "HeartbeatError",
+    "RemoteKernel",
+    "RemoteKernels",
+    "RemoteServer",
+    "TooMany",
+    "parse_kernel_report",
+]
 
 log = logging.getLogger("jupyter_gpusched.broker")
 
-#: Bounds on what one heartbeat may carry (the broker's traits may set lower ones).
-MAX_KERNELS = 128
-MAX_PIDS = 256
-MAX_NOTEBOOK = 512
-#: How long an ended kernel is remembered (so that a late claim for it is refused).
-ENDED_MEMORY = 3600.0
 #: CPU time (nanoseconds of a kernel's main threads) that counts as evidence the kernel ran code.
 CPU_EVIDENCE_NS = 1_000_000
 #: How long one piece of evidence backs a server's word that a kernel is busy (hub/evidence.py).
 EVIDENCE_WINDOW = evidence.EVIDENCE_WINDOW
-
-
-class HeartbeatError(ValueError):
-    """A heartbeat (or part of it) that does not make sense; the message says what."""
-
-
-class TooMany(PermissionError):
-    """A user went over one of the broker's bounds (servers, kernels)."""
-
-
-class Connection(Protocol):
-    """A server's websocket, as the broker uses it."""
-
-    async def order(self, action: str, kernel_id: str) -> None: ...
-
-
-@dataclass
-class RemoteKernel:
-    kernel_id: str
-    user: str
-    server_id: str
-    registered: float
-    reported: bool = False
-    busy: bool = False
-    last_busy_at: float | None = None
-    started_at: float | None = None
-    #: The kernel's process (host pid), once checked to descend from its server's process.
-    pid: int | None = None
-    #: The pid its server reported for it, in the server's PID namespace.
-    reported_pid: int | None = None
-    pid_started: float | None = None
-    #: The kernel's process and its descendants, as the broker found them, and when each started
-    #: (a pid is the same process only while its start time is: checked at every look).
-    tree: frozenset[int] = frozenset()
-    tree_started: Mapping[int, float | None] = field(default_factory=dict)
-    notebook: str | None = None
-    restarting: bool = False
-    #: Evidence, in seconds since the epoch: when its processes last used CPU, and a GPU.
-    runtime_ns: int | None = None
-    cpu_seen_at: float | None = None
-    gpu_seen_at: float | None = None
-    #: When the server began claiming activity without the GPU being used (None: not now).
-    claimed_since: float | None = None
-    last_claim_at: float | None = None
-
-    def all_pids(self) -> set[int]:
-        return set(self.tree) | ({self.pid} if self.pid else set())
-
-
-@dataclass
-class RemoteServer:
-    server_id: str
-    user: str
-    last_seen: float
-    #: The server's process, as the broker sees it (host pid).
-    pid: int | None = None
-    pid_started: float | None = None
-    #: The server's PID namespace when it is not the broker's (a container's), and its pid there.
-    pid_ns: int | None = None
-    ns_pid: int | None = None
-    #: The name of its pod (container), as the broker found it (see :func:`procs.pod_name`); the
-    #: host name a server reports is only checked against it, never believed on its own.
-    hostname: str | None = None
-    connection: Connection | None = None
-    connected_at: float | None = None
-    kernels: dict[str, RemoteKernel] = field(default_factory=dict)
-
-
-def _optional_time(value: Any, name: str) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value < 0:
-        raise HeartbeatError(f"{name} must be a time in seconds since the epoch or null")
-    return float(value)
-
-
-def _pid(value: Any, name: str) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value > 2**31:
-        raise HeartbeatError(f"{name} must be a process id or null")
-    return value
-
-
-def parse_kernel_report(kernel_id: Any, info: Any) -> dict:
-    """One kernel's entry of a heartbeat, checked; raises :class:`HeartbeatError`.
-
-    A ``pids`` list is accepted for compatibility (bounded), but never believed: the broker
-    finds a kernel's processes itself.
-    """
-    if not isinstance(kernel_id, str) or not ID_PATTERN.match(kernel_id):
-        raise HeartbeatError(f"kernel id {str(kernel_id)[:40]!r} is not a kernel id")
-    if not isinstance(info, dict):
-        raise HeartbeatError(f"kernel {kernel_id}: its entry must be an object")
-    pids = info.get("pids") or []
-    if not isinstance(pids, list) or len(pids) > MAX_PIDS:
-        raise HeartbeatError(f"kernel {kernel_id}: pids must be a list of at most {MAX_PIDS} process ids")
-    notebook = info.get("notebook")
-    if notebook is not None and (not isinstance(notebook, str) or len(notebook) > MAX_NOTEBOOK):
-        raise HeartbeatError(f"kernel {kernel_id}: notebook must be a path of at most {MAX_NOTEBOOK} characters")
-    return {
-        "busy": bool(info.get("busy", False)),
-        "last_busy_at": _optional_time(info.get("last_busy_at"), "last_busy_at"),
-        "started_at": _optional_time(info.get("started_at"), "started_at"),
-        "pid": _pid(info.get("pid"), "pid"),
-        "notebook": notebook,
-        "restarting": bool(info.get("restarting", False)),
-    }
-
-
-def _running(pid: int, started: float | None = None) -> bool:
-    """Whether ``pid`` runs (and, given ``started``, is still the process that started then)."""
-    try:
-        proc = psutil.Process(pid)
-        with proc.oneshot():
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                return False
-            return started is None or abs(proc.create_time() - started) < 1.0
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.AccessDenied:
-        return True
-
-
-def _gone(pid: int) -> bool:
-    """Whether ``pid`` has exited (or is a zombie); cheap, as it runs for every lease on every pass."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return not _running(pid)  # no /proc here: ask psutil
-    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
-    return state in (b"Z", b"X")
 
 
 class RemoteKernels:
@@ -235,52 +126,51 @@ class RemoteKernels:
         self.max_kernels_per_server = max_kernels_per_server
         self.max_processes_per_kernel = max_processes_per_kernel
         self.max_busy_without_gpu = max_busy_without_gpu
-        #: Maps pids of the servers' PID namespaces to the broker's.
-        self.namespaces = namespaces or procs.PidNamespaces()
-        #: The pod a host process runs in, where the host can vouch for its name.
-        self.pod_name = pod_name
-        self._servers: dict[str, RemoteServer] = {}
-        self._kernels: dict[str, RemoteKernel] = {}
-        self._ended: dict[str, tuple[str, float]] = {}
-        #: Whose each kernel is as the ledger records it (kernel id -> (user, when read)).
-        self._recorded: dict[str, tuple[str, float]] = {}
-        #: The user of a kernel's live lease, if it has one (the broker sets it: the arbiter's leases).
-        self.lease_user: Callable[[str], str | None] = lambda kernel_id: None
-        self._warned: set[str] = set()
+        #: Servers, kernels and whose each kernel is: the state, in one place.
+        self.registry = Registry()
+        #: The checks of the processes servers name (PID namespaces, pods).
+        self.pids = PidChecks(namespaces or procs.PidNamespaces(), pod_name)
+        self._warnings = OnceLog()
         #: The latest sample of process trees and CPU use (taken off the event loop).
         self._sample: dict[str, tuple[int | None, dict[int, float | None], int]] = {}
 
+    @property
+    def _servers(self) -> dict[str, RemoteServer]:
+        return self.registry.servers
+
+    @property
+    def _kernels(self) -> dict[str, RemoteKernel]:
+        return self.registry.kernels
+
+    @property
+    def lease_user(self) -> Callable[[str], str | None]:
+        """The user of a kernel's live lease, if it has one (the broker sets it: the arbiter's leases)."""
+        return self.registry.lease_user
+
+    @lease_user.setter
+    def lease_user(self, value: Callable[[str], str | None]) -> None:
+        self.registry.lease_user = value
+
+    @property
+    def namespaces(self) -> procs.PidNamespaces:
+        """Maps pids of the servers' PID namespaces to the broker's."""
+        return self.pids.namespaces
+
     def _warn_once(self, key: str, message: str, *args: Any) -> None:
-        if key not in self._warned:
-            if len(self._warned) > 10_000:
-                self._warned.clear()
-            self._warned.add(key)
-            log.warning(message, *args)
+        self._warnings.warn(key, message, *args)
 
     # -- servers ------------------------------------------------------------------------------
     def own_namespace(self, pid_ns: int | None) -> bool:
         """Whether a server that names PID namespace ``pid_ns`` (None: none) shares the broker's."""
-        return pid_ns is None or pid_ns == self.namespaces.own
+        return self.pids.own_namespace(pid_ns)
 
     def server_process(self, pid: int, pid_ns: int | None) -> int:
-        """The broker's (host) pid of the process a server names as ``pid`` of namespace ``pid_ns``.
-
-        ``pid_ns`` None, or the broker's own namespace: ``pid`` itself. Nothing is believed yet:
-        the caller checks the process it gets (:func:`~jupyter_gpusched.procs.check_server_process`).
+        """The broker's (host) pid of the process a server names (see :meth:`PidChecks.server_process`).
 
         Raises:
-            procs.NotTheirs: no such process in that namespace, or ``/proc`` cannot tell (the
-                message says why, such as a broker that does not run with ``hostPID``).
+            procs.NotTheirs: no such process in that namespace, or ``/proc`` cannot tell.
         """
-        if pid_ns is None or self.own_namespace(pid_ns):
-            return pid
-        try:
-            host = self.namespaces.host_pid(pid_ns, pid)
-        except procs.PidNamespaceError as exc:
-            raise procs.NotTheirs(f"cannot find process {pid} of PID namespace {pid_ns}: {exc}") from None
-        if host is None:
-            raise procs.NotTheirs(self.namespaces.describe_missing(pid_ns, pid))
-        return host
+        return self.pids.server_process(pid, pid_ns)
 
     def connect(
         self,
@@ -308,33 +198,18 @@ class RemoteKernels:
         if self.own_namespace(pid_ns):
             pid_ns = ns_pid = None
         now = self.clock()
-        server = self._servers.get(server_id)
-        if server is not None and server.user != user:
-            raise PermissionError(f"server id {server_id} belongs to another user")
-        if server is None or server.connection is None:
-            live = [s for s in self._servers.values() if s.user == user and s.connection is not None]
-            if len(live) >= self.max_servers_per_user:
-                raise TooMany(
-                    f"{user} has {len(live)} servers connected to the GPU broker already, the most allowed "
-                    f"(c.GPUBroker.max_servers_per_user)"
-                )
-        if server is None:
-            server = self._servers[server_id] = RemoteServer(server_id, user, now)
-        same_start = (server.pid_started is None) == (pid_started is None) and (
-            pid_started is None or abs(server.pid_started - pid_started) < procs.START_TIME_TOLERANCE
-        )
-        if server.pid != pid or not same_start or server.pid_ns != pid_ns:
+        server = self.registry.open_server(server_id, user, now, self.max_servers_per_user)
+        if not same_server_process(server, pid, pid_started, pid_ns):
             # Another process now speaks for this server id: what the old one reported is void.
             for kernel in server.kernels.values():
-                kernel.pid, kernel.pid_started, kernel.tree, kernel.tree_started = None, None, frozenset(), {}
-                kernel.reported_pid = None
+                kernel.forget_processes()
         server.connection = connection
         server.connected_at = now
         server.last_seen = now
         server.pid = pid
         server.pid_started = pid_started if pid is not None else None
         server.pid_ns, server.ns_pid = pid_ns, ns_pid
-        server.hostname = self._checked_pod(server_id, user, pid, pid_ns, hostname)
+        server.hostname = self.pids.checked_pod(server_id, user, pid, pid_ns, hostname)
         if pid_ns is None:
             log.info("server %s of %s connected (pid %s)", server_id, user, pid)
         else:
@@ -343,30 +218,6 @@ class RemoteKernels:
                 server_id, user, pid, ns_pid, pid_ns, hostname or "a container",
             )
         return server
-
-    def _checked_pod(
-        self, server_id: str, user: str, pid: int | None, pid_ns: int | None, claimed: str | None
-    ) -> str | None:
-        """The pod a server runs in: the one the broker finds its process in (None: not in a pod
-        of its own, or none the broker can vouch for), whatever host name it reported."""
-        if pid is None or pid_ns is None:
-            return None
-        try:
-            known = self.pod_name(pid)
-        except Exception:  # noqa: BLE001 - a pod's name is for the admin's view only
-            log.exception("could not read the pod of process %s (server %s of %s)", pid, server_id, user)
-            known = None
-        if claimed is not None and known is not None and claimed != known:
-            log.warning(
-                "server %s of %s says it runs in pod %s, but its process %s is in pod %s; %s is shown",
-                server_id, user, claimed, pid, known, known,
-            )
-        elif claimed is not None and known is None:
-            log.info(
-                "server %s of %s says it runs in pod %s; ignored: the broker cannot tell the pod of its process %s",
-                server_id, user, claimed, pid,
-            )
-        return known
 
     def disconnect(self, server_id: str, connection: Connection) -> None:
         server = self._servers.get(server_id)
@@ -388,13 +239,7 @@ class RemoteKernels:
         server = self._servers.get(server_id)
         if server is None:
             raise HeartbeatError(f"server {server_id} is not connected")
-        if not isinstance(kernels, dict):
-            raise HeartbeatError("kernels must be an object: kernel id -> its state")
-        if len(kernels) > self.max_kernels_per_server:
-            raise HeartbeatError(
-                f"a heartbeat may report at most {self.max_kernels_per_server} kernels "
-                "(c.GPUBroker.max_kernels_per_server)"
-            )
+        check_kernels(kernels, self.max_kernels_per_server)
         now = self.clock()
         server.last_seen = now
         problems = []
@@ -405,37 +250,10 @@ class RemoteKernels:
             except HeartbeatError as exc:
                 problems.append(str(exc))
                 continue
-            kernel = self._kernels.get(kernel_id)
-            owner = kernel.user if kernel is not None else self.user_of(kernel_id)
-            if owner is not None and owner != server.user:
-                # Refused for the newcomer only: the owner's kernel, lease and heartbeats stay.
-                problems.append(f"kernel {kernel_id} belongs to another user")
-                self._warn_once(
-                    f"user:{kernel_id}:{server_id}",
-                    "server %s of %s reported kernel %s, which is %s's; ignored",
-                    server_id, server.user, kernel_id, owner,
-                )
-                continue
+            kernel, problem = self.registry.take(kernel_id, server, now, self._warn_once)
             if kernel is None:
-                self._ended.pop(kernel_id, None)
-                self._recorded.pop(kernel_id, None)
-                kernel = self._kernels[kernel_id] = RemoteKernel(kernel_id, server.user, server_id, now)
-            elif kernel.server_id != server_id and self._holds(kernel):
-                problems.append(f"kernel {kernel_id} is another server's (server {kernel.server_id})")
-                self._warn_once(
-                    f"server:{kernel_id}:{server_id}",
-                    "server %s of %s reported kernel %s of its server %s, which still runs; ignored",
-                    server_id, server.user, kernel_id, kernel.server_id,
-                )
+                problems.append(problem)
                 continue
-            if kernel.server_id != server_id:
-                old = self._servers.get(kernel.server_id)
-                if old is not None:
-                    old.kernels.pop(kernel_id, None)
-                kernel.server_id = server_id
-                kernel.pid, kernel.pid_started, kernel.tree, kernel.tree_started = None, None, frozenset(), {}
-                kernel.reported_pid = None
-            server.kernels[kernel_id] = kernel
             seen.add(kernel_id)
             problem = self._update(server, kernel, report)
             if problem:
@@ -449,70 +267,17 @@ class RemoteKernels:
                 self._forget(kernel_id, "its server no longer reports it")
         return problems
 
-    def _holds(self, kernel: RemoteKernel) -> bool:
-        """Whether the server a kernel is with still has it: the server reported it and is
-        connected, or its process still runs (a server that only lost its connection comes back)."""
-        server = self._servers.get(kernel.server_id)
-        if server is None or kernel.kernel_id not in server.kernels:
-            return False
-        if server.connection is not None:
-            return kernel.reported
-        return kernel.reported and server.pid is not None and procs.same_process(server.pid, server.pid_started)
-
-    def _check_pid(self, server: RemoteServer, kernel: RemoteKernel, pid: int) -> str | None:
-        """None if ``pid`` may be this kernel's process, else why not."""
-        if kernel.pid == pid and kernel.pid_started is not None and procs.same_process(pid, kernel.pid_started):
-            return None  # checked before: the same process still
-        if server.pid is None:
-            return f"kernel {kernel.kernel_id}: process {pid} ignored: the server did not name its own process"
-        if not procs.same_process(server.pid, server.pid_started):
-            return f"kernel {kernel.kernel_id}: process {pid} ignored: the server's own process is gone"
-        if not procs.descends_from(pid, server.pid):
-            return f"kernel {kernel.kernel_id}: process {pid} ignored: it is not a process of this server"
-        return None
-
-    def _host_pid(self, server: RemoteServer, kernel: RemoteKernel, pid: int) -> tuple[int | None, str | None]:
-        """The host pid of kernel process ``pid`` as its server reported it (in its namespace),
-        or None and why not."""
-        if server.pid_ns is None:
-            return pid, None
-        if (
-            pid == kernel.reported_pid
-            and kernel.pid is not None
-            and kernel.pid_started is not None
-            and procs.same_process(kernel.pid, kernel.pid_started)
-        ):
-            return kernel.pid, None  # mapped before: the same process still
-        try:
-            host = self.namespaces.host_pid(server.pid_ns, pid)
-        except procs.PidNamespaceError as exc:
-            return None, f"kernel {kernel.kernel_id}: process {pid} ignored: {exc}"
-        if host is None:
-            why = self.namespaces.describe_missing(server.pid_ns, pid)
-            return None, f"kernel {kernel.kernel_id}: process {pid} ignored: {why} (the server's)"
-        return host, None
-
     def _update(self, server: RemoteServer, kernel: RemoteKernel, report: Mapping[str, Any]) -> str | None:
         problem = None
         reported = pid = report["pid"]
         if pid is not None:
-            pid, problem = self._host_pid(server, kernel, pid)
-            if pid is not None:
-                problem = self._check_pid(server, kernel, pid)
+            pid, problem = self.pids.kernel_process(server, kernel, pid)
             if problem is not None:
                 self._warn_once(
                     f"pid:{server.server_id}:{kernel.kernel_id}:{reported}",
                     "server %s of %s: %s", server.server_id, server.user, problem,
                 )
-                pid = None
-        if pid != kernel.pid or (pid is not None and not procs.same_process(pid, kernel.pid_started)):
-            # Another process (or the same pid, reused by a new process, checked above as one).
-            kernel.pid_started = procs.started(pid) if pid else None
-            kernel.tree = frozenset({pid}) if pid else frozenset()
-            kernel.tree_started = {pid: kernel.pid_started} if pid else {}
-            # The CPU baseline is read now, not at the next sample: a first cell that runs in
-            # between (it often follows the kernel's start at once) would otherwise leave no trace.
-            kernel.runtime_ns = procs.runtime_ns([pid]) if pid else None
+        adopt(kernel, pid)
         last = report["last_busy_at"]
         if report["busy"] or (last is not None and (kernel.last_busy_at is None or last > kernel.last_busy_at)):
             kernel.last_claim_at = self.wall_clock()
@@ -527,113 +292,43 @@ class RemoteKernels:
         return problem
 
     def _forget(self, kernel_id: str, why: str) -> None:
-        kernel = self._kernels.pop(kernel_id, None)
+        kernel = self.registry.forget(kernel_id, self.clock())
         if kernel is None:
             return
-        server = self._servers.get(kernel.server_id)
-        if server is not None:
-            server.kernels.pop(kernel_id, None)
         self._sample.pop(kernel_id, None)
-        self._ended[kernel_id] = (kernel.user, self.clock())
         log.info("kernel %s of %s is gone: %s", kernel_id, kernel.user, why)
 
     # -- claims -------------------------------------------------------------------------------
     def user_of(self, kernel_id: str) -> str | None:
-        """The hub user a kernel belongs to, if the broker knows (or remembers) it.
-
-        The user of the kernel's live lease first, then what the ledger recorded when the broker
-        started (:meth:`remember_users`), then the user whose server reported it.
-        """
-        leased = self.lease_user(kernel_id)
-        if leased is not None:
-            return leased
-        recorded = self._recorded.get(kernel_id)
-        if recorded is not None:
-            return recorded[0]
-        kernel = self._kernels.get(kernel_id)
-        if kernel is not None:
-            return kernel.user
-        ended = self._ended.get(kernel_id)
-        return ended[0] if ended is not None else None
+        """The hub user a kernel belongs to, if the broker knows (or remembers) it (see
+        :meth:`Registry.user_of`)."""
+        return self.registry.user_of(kernel_id)
 
     def remember_users(self, users: Mapping[str, str]) -> None:
         """Whose each kernel is, as the ledger records it (kernel id -> hub user), read when the
-        broker starts: no server's report can take those kernel ids from their users. Remembered
-        for :data:`ENDED_MEMORY` seconds, or until the kernel's own user's server reports it."""
-        now = self.clock()
-        for kernel_id, user in users.items():
-            if kernel_id not in self._kernels:
-                self._recorded[kernel_id] = (user, now)
-        if users:
-            log.info("the ledger records the users of %d kernel(s)", len(users))
+        broker starts (see :meth:`Registry.remember_users`)."""
+        self.registry.remember_users(users, self.clock())
 
     def known(self, kernel_id: str) -> bool:
         return kernel_id in self._kernels
 
     def register(self, kernel_id: str, user: str, server_id: str) -> None:
         """A server claims a GPU for a kernel it has not reported yet (it is being launched)."""
-        if not ID_PATTERN.match(kernel_id) or not ID_PATTERN.match(server_id):
-            raise ValueError("kernel and server ids are letters, digits, '-' and '_'")
-        owner = self.user_of(kernel_id)
-        if owner is not None and owner != user:
-            raise PermissionError(f"kernel {kernel_id} belongs to another user")
-        now = self.clock()
-        server = self._servers.get(server_id)
-        if server is None:
-            server = self._servers[server_id] = RemoteServer(server_id, user, now)
-        elif server.user != user:
-            raise PermissionError(f"server id {server_id} belongs to another user")
-        kernel = self._kernels.get(kernel_id)
-        if kernel is None:
-            self._ended.pop(kernel_id, None)
-            kernel = self._kernels[kernel_id] = RemoteKernel(kernel_id, user, server_id, now)
-            server.kernels[kernel_id] = kernel
+        self.registry.register(kernel_id, user, server_id, self.clock())
 
     def unregister(self, kernel_id: str) -> None:
         """Undo :meth:`register` for a kernel no server has reported (its claim was refused)."""
-        kernel = self._kernels.get(kernel_id)
-        if kernel is None or kernel.reported:
-            return
-        del self._kernels[kernel_id]
-        server = self._servers.get(kernel.server_id)
-        if server is not None:
-            server.kernels.pop(kernel_id, None)
+        self.registry.unregister(kernel_id)
 
     def ended(self, kernel_id: str, why: str = "its server says it ended") -> None:
         self._forget(kernel_id, why)
 
     # -- state ----------------------------------------------------------------------------------
     def _silent_for(self, server: RemoteServer | None, now: float) -> float:
-        return float("inf") if server is None else now - server.last_seen
+        return silent_for(server, now)
 
     def _connected(self, server: RemoteServer | None, now: float) -> bool:
-        return server is not None and server.connection is not None and self._silent_for(server, now) <= self.heartbeat_timeout
-
-    def _running_pids(self, kernel: RemoteKernel) -> set[int]:
-        out = set()
-        if kernel.pid is not None and _running(kernel.pid, kernel.pid_started):
-            out.add(kernel.pid)
-            out.update(
-                p for p in kernel.tree
-                if p != kernel.pid and kernel.tree_started.get(p) is not None and _running(p, kernel.tree_started[p])
-            )
-        return out
-
-    @staticmethod
-    def _is_current(kernel: RemoteKernel, pid: int) -> bool:
-        """Whether ``pid`` is still the process of ``kernel`` that the broker found (it runs, and
-        started when that one did: a pid reused since is another process)."""
-        if pid == kernel.pid:
-            started = kernel.pid_started
-        elif pid in kernel.tree:
-            started = kernel.tree_started.get(pid)
-        else:
-            return False
-        return started is not None and procs.same_process(pid, started)
-
-    def _current_pids(self, kernel: RemoteKernel) -> set[int]:
-        """The kernel's processes that are still the ones the broker found (checked now)."""
-        return {p for p in kernel.all_pids() if self._is_current(kernel, p)}
+        return connected(server, now, self.heartbeat_timeout)
 
     def prune(self) -> None:
         """Forget long-ended kernels, kernels claimed for but never reported, and servers gone.
@@ -643,10 +338,7 @@ class RemoteKernels:
         :meth:`stranded`): their leases stay until those processes end.
         """
         now = self.clock()
-        for memory in (self._ended, self._recorded):
-            for kernel_id, (_, at) in list(memory.items()):
-                if now - at > ENDED_MEMORY:
-                    del memory[kernel_id]
+        self.registry.expire(now)
         for kernel_id, kernel in list(self._kernels.items()):
             if not kernel.reported and now - kernel.registered > self.launch_grace:
                 self._forget(kernel_id, "no server ever reported it")
@@ -660,92 +352,24 @@ class RemoteKernels:
                 del self._servers[server_id]
                 log.info("server %s of %s forgotten: silent for %.0fs", server_id, server.user, self._silent_for(server, now))
 
+    # -- the admin's views ----------------------------------------------------------------------
     def servers(self) -> list[dict]:
         """The servers and their kernels, for the admin."""
-        now = self.clock()
-        out = []
-        for server in sorted(self._servers.values(), key=lambda s: (s.user, s.server_id)):
-            out.append(
-                {
-                    "server_id": server.server_id,
-                    "user": server.user,
-                    "pid": server.pid,
-                    "pod": self._pod(server),
-                    "connected": self._connected(server, now),
-                    "silent_seconds": round(self._silent_for(server, now), 1),
-                    "kernels": sorted(server.kernels),
-                }
-            )
-        return out
+        return admin.servers(self.registry, self.clock(), self.heartbeat_timeout)
 
     def connected_servers(self) -> list[frozenset[str]]:
         """The kernel ids of each server that speaks to the broker now (one set per server)."""
-        now = self.clock()
-        return [frozenset(s.kernels) for s in self._servers.values() if self._connected(s, now)]
-
-    @staticmethod
-    def _pod(server: RemoteServer) -> str | None:
-        """The pod (container) a server runs in: its host name, for a server in a PID namespace
-        of its own; None for one that shares the broker's."""
-        return server.hostname if server.pid_ns is not None else None
+        return admin.connected_servers(self.registry, self.clock(), self.heartbeat_timeout)
 
     def owner_of(self, pid: int) -> dict[str, str | None]:
-        """The server a host process runs under: ``server_id``, ``user``, ``pod`` (None: unknown).
-
-        A process belongs to a server when it is in one of its kernels' trees (and is still the
-        process found there: its start time is checked), descends from the server's process, or
-        lives in the PID namespace of a server in a namespace of its own, or in a namespace made
-        inside that one (a process of its pod).
-        """
-        for kernel in self._kernels.values():
-            if pid in kernel.all_pids() and self._is_current(kernel, pid):
-                server = self._servers.get(kernel.server_id)
-                if server is not None:
-                    return self._owner_fields(server)
-        by_pid = {server.pid: server for server in self._servers.values() if server.pid is not None}
-        for candidate in [pid, *procs.ancestors(pid)]:
-            server = by_pid.get(candidate)
-            if server is not None and procs.same_process(candidate, server.pid_started):
-                return self._owner_fields(server)
-        pods = [server for server in self._servers.values() if server.pid_ns is not None]
-        if pods:
-            # Its own PID namespace, and those it was made in: a namespace made inside a pod
-            # (under any process of it) is still that pod's.
-            try:
-                chain = procs.pid_namespace_chain(pid)
-            except (ProcessLookupError, procs.PidNamespaceError):
-                chain = []
-            latest = sorted(pods, key=lambda s: -(s.connected_at or 0.0))
-            for ns in chain:
-                for server in latest:
-                    if server.pid_ns == ns:
-                        return self._owner_fields(server)
-        return {"server_id": None, "user": None, "pod": None}
-
-    def _owner_fields(self, server: RemoteServer) -> dict[str, str | None]:
-        return {"server_id": server.server_id, "user": server.user, "pod": self._pod(server)}
+        """The server a host process runs under: ``server_id``, ``user``, ``pod`` (None: unknown);
+        see :func:`~jupyter_gpusched.hub.admin.owner_of`."""
+        return admin.owner_of(self.registry, pid)
 
     def stranded(self) -> list[dict]:
         """GPU processes of kernels whose server fell silent: left behind, for the admin to see."""
         now = self.clock()
-        on_gpu = self.gpu_pids()
-        out = []
-        for kernel in self._kernels.values():
-            server = self._servers.get(kernel.server_id)
-            if self._silent_for(server, now) <= self.heartbeat_timeout:
-                continue
-            for pid in sorted(kernel.all_pids() & on_gpu):
-                if _running(pid) and self._is_current(kernel, pid):
-                    out.append({"pid": pid, "kernel_id": kernel.kernel_id, "user": kernel.user, "server_id": kernel.server_id})
-        for item in out:
-            key = f"stranded:{item['pid']}"
-            if key not in self._warned:
-                self._warned.add(key)
-                log.warning(
-                    "GPU process %s of kernel %s (%s) is left behind: its server %s stopped sending heartbeats",
-                    item["pid"], item["kernel_id"], item["user"], item["server_id"],
-                )
-        return out
+        return admin.stranded(self.registry, now, self.heartbeat_timeout, self.gpu_pids(), self._warnings)
 
     # -- KernelHost ----------------------------------------------------------------------------
     def activity(self) -> Mapping[str, tuple[bool, float | None, float | None]]:
@@ -763,7 +387,7 @@ class RemoteKernels:
             gpu_now = any(
                 (use.get(p) or 0.0) >= self.utilization_threshold
                 for p in kernel.all_pids()
-                if p in use and self._is_current(kernel, p)
+                if p in use and is_current(kernel, p)
             )
             verdict = evidence.weigh(
                 evidence.Word(kernel.busy, kernel.last_busy_at, kernel.started_at, kernel.last_claim_at),
@@ -799,13 +423,13 @@ class RemoteKernels:
     def alive(self, kernel_id: str) -> bool | None:
         kernel = self._kernels.get(kernel_id)
         if kernel is None:
-            return False if kernel_id in self._ended else None
+            return False if kernel_id in self.registry.ended else None
         now = self.clock()
         server = self._servers.get(kernel.server_id)
         young = now - kernel.registered < self.launch_grace
         if self._connected(server, now):
             return kernel.reported or young
-        running = self._running_pids(kernel)
+        running = running_pids(kernel)
         if self._silent_for(server, now) <= self.heartbeat_timeout:
             # Just disconnected (a restart of either side, a network blip): keep it while its
             # processes run; a server that stopped took its kernels with it.
@@ -851,20 +475,20 @@ class RemoteKernels:
             kernel.reported
             and kernel.pid is not None
             and self._connected(server, self.clock())
-            and _gone(kernel.pid)
+            and gone(kernel.pid)
         )
 
     def kernel_pid(self, kernel_id: str) -> int | None:
         """The kernel's process, while that pid is still it (None once it ended or was reused)."""
         kernel = self._kernels.get(kernel_id)
-        if kernel is None or kernel.pid is None or not self._is_current(kernel, kernel.pid):
+        if kernel is None or kernel.pid is None or not is_current(kernel, kernel.pid):
             return None
         return kernel.pid
 
     def process_tree(self, kernel_id: str) -> set[int]:
         """The kernel's processes that are still the ones found (each pid's start time checked)."""
         kernel = self._kernels.get(kernel_id)
-        return self._current_pids(kernel) if kernel is not None else set()
+        return current_pids(kernel) if kernel is not None else set()
 
     def process_trees(self) -> dict[str, set[int]]:
         """Every kernel's process tree, found from its checked process (run off the event loop).
