@@ -52,22 +52,35 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
-import ipaddress
 import json
 import logging
 import os
-import re
 import ssl
-import sys
 import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable
 
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 
-from . import transport
+from .core.nodes import choose_node
+from .core.nodes import count_problem as _count_problem
+# The trust rules live in nodetrust.py; their names stay reachable here, where callers found them.
+from .nodetrust import (  # noqa: F401
+    _NODE_NAME,
+    ENV_ALLOW_HTTP,
+    ENV_CA,
+    ENV_CLIENT_CERT,
+    ENV_CLIENT_KEY,
+    ENV_HUB_CA,
+    ENV_HUB_CERT,
+    ENV_HUB_KEY,
+    BrokerTrust,
+    _env,
+    _hub_internal_ssl,
+    parse_allow_http,
+)
 
 log = logging.getLogger("jupyter_gpusched.kubernetes")
 
@@ -79,19 +92,8 @@ ENV_NAMESPACE = "POD_NAMESPACE"
 ENV_TOKEN = "GPUSCHED_API_TOKEN"
 #: Discovery: the scheme of the broker pods' URLs (``http`` or ``https``).
 ENV_SCHEME = "GPUSCHED_BROKER_SCHEME"
-#: The CA file (PEM) that node brokers' certificates must be signed by (https:// brokers).
-ENV_CA = "GPUSCHED_BROKER_CA"
-#: The client certificate and key (PEM) shown to https:// brokers that ask for one (mutual TLS).
-ENV_CLIENT_CERT = "GPUSCHED_BROKER_CERT"
-ENV_CLIENT_KEY = "GPUSCHED_BROKER_KEY"
-#: Hosts besides this host's loopback address that may get the service token over plain http.
-ENV_ALLOW_HTTP = "GPUSCHED_BROKER_ALLOW_HTTP"
 #: What a single-user server verifies an https:// broker with (``GPUSchedApp.broker_ca``'s default).
 ENV_SERVER_CA = "JUPYTER_GPUSCHED_BROKER_CA"
-#: JupyterHub's internal_ssl files, as the hub gives them to its services and servers.
-ENV_HUB_CA = "JUPYTERHUB_SSL_CLIENT_CA"
-ENV_HUB_CERT = "JUPYTERHUB_SSL_CERTFILE"
-ENV_HUB_KEY = "JUPYTERHUB_SSL_KEYFILE"
 #: A single-user server joins the broker at this URL (``GPUSchedApp.broker_url``'s default).
 ENV_BROKER_URL = "JUPYTER_GPUSCHED_BROKER_URL"
 #: The node whose broker :func:`choose_broker` chose, for the server's environment.
@@ -116,11 +118,6 @@ MAX_SUMMARY_BYTES = 1 << 20
 MAX_STRING = 1024
 MAX_ITEMS = 4096
 
-#: A Kubernetes node name (a DNS subdomain), or a host name.
-_NODE_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,251}[A-Za-z0-9])?$")
-_SUMMARY_COUNTS = ("gpus", "free", "reclaimable", "pending", "leases")
-#: Counts a broker of an earlier version does not report; checked where present.
-_NEWER_COUNTS = ("pending_gpus", "servers", "servers_without_lease")
 
 
 class DiscoveryError(RuntimeError):
@@ -302,137 +299,6 @@ BROKEN = "broken"
 NOT_ASKED = "not asked"
 
 
-@dataclass(frozen=True)
-class BrokerTrust:
-    """What a node broker must show before the ``gpusched`` service's token goes to it.
-
-    The brokers asked are only those of the admin's list or of the Kubernetes API's pod list
-    (:func:`node_brokers`); this says how each is reached. Over ``https`` the broker's certificate
-    must be verified (host name included) before anything is sent; over plain ``http`` the token
-    goes only to this host's loopback address (as JupyterHub itself talks to its local services)
-    or to the hosts the admin allowed.
-
-    Attributes:
-        ca_file: the CA file (PEM) that an https:// broker's certificate must be signed by; empty:
-            the system's trusted CAs.
-        cert_file: a client certificate (PEM) shown to brokers that ask for one (JupyterHub's
-            ``internal_ssl`` services do); empty: none. ``key_file`` is its key.
-        allow_http: hosts besides the loopback address that may get the token over plain http:
-            host names, IP addresses, IP networks (``10.0.0.0/8``), or ``*`` for every host.
-    """
-
-    ca_file: str = ""
-    cert_file: str = ""
-    key_file: str = ""
-    allow_http: tuple[str, ...] = ()
-
-    @classmethod
-    def from_environment(cls) -> BrokerTrust:
-        """The trust this process is configured with.
-
-        ``GPUSCHED_BROKER_CA``, else JupyterHub's internal_ssl CA (``JUPYTERHUB_SSL_CLIENT_CA`` in a
-        service, the hub's own trust bundle in the hub process when ``internal_ssl`` is on);
-        ``GPUSCHED_BROKER_CERT`` and ``GPUSCHED_BROKER_KEY``, else internal_ssl's
-        (``JUPYTERHUB_SSL_CERTFILE``, ``JUPYTERHUB_SSL_KEYFILE``, or the hub's); and
-        ``GPUSCHED_BROKER_ALLOW_HTTP`` (comma-separated).
-
-        Raises:
-            ValueError: a file that is not there, a certificate without its key, a bad host entry.
-        """
-        hub = _hub_internal_ssl()
-        ca = _env(ENV_CA) or _env(ENV_HUB_CA) or (hub[0] if hub else "")
-        cert, key = _env(ENV_CLIENT_CERT), _env(ENV_CLIENT_KEY)
-        if not (cert or key):
-            cert, key = _env(ENV_HUB_CERT), _env(ENV_HUB_KEY)
-        if not (cert or key) and hub:
-            cert, key = hub[1], hub[2]
-        if bool(cert) != bool(key):
-            raise ValueError(f"{ENV_CLIENT_CERT} and {ENV_CLIENT_KEY} go together: set both or neither")
-        for what, path in (("CA file", ca), ("client certificate", cert), ("client key", key)):
-            if path and not os.path.isfile(path):
-                raise ValueError(f"the node brokers' {what} {path} is not a file")
-        return cls(ca, cert, key, parse_allow_http(_env(ENV_ALLOW_HTTP)))
-
-    def refusal(self, url: str) -> str | None:
-        """Why the token must not go to ``url`` at all (None: it may, once its certificate is checked)."""
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme == "https":
-            return None
-        host = (parts.hostname or "").lower()
-        if parts.scheme != "http" or not host:
-            return f"{url!r} is not an http(s):// URL"
-        if transport.is_loopback(host) or self.allows_http(host):
-            return None
-        return (
-            f"plain http to {host}, which is not this host's loopback address: the service token is not sent "
-            f"there (give the broker an https:// URL, or allow the host in {ENV_ALLOW_HTTP})"
-        )
-
-    def allows_http(self, host: str) -> bool:
-        """Whether the admin allowed plain http to ``host``."""
-        try:
-            address = ipaddress.ip_address(host)
-        except ValueError:
-            address = None
-        for entry in self.allow_http:
-            if entry == "*" or entry == host.lower():
-                return True
-            if address is not None and "/" in entry:
-                network = ipaddress.ip_network(entry)
-                if address.version == network.version and address in network:
-                    return True
-        return False
-
-    def tls_options(self) -> dict[str, Any]:
-        """The request options that verify an https:// broker (both tornado HTTP clients read them)."""
-        return {
-            "validate_cert": True,
-            "ca_certs": self.ca_file or None,
-            "client_cert": self.cert_file or None,
-            "client_key": self.key_file or None,
-        }
-
-
-def parse_allow_http(spec: str, what: str = ENV_ALLOW_HTTP) -> tuple[str, ...]:
-    """``host,10.0.0.0/8,*`` as :attr:`BrokerTrust.allow_http` (networks normalised); ``ValueError``
-    naming a bad entry."""
-    out: list[str] = []
-    for entry in (part.strip().lower() for part in re.split(r"[,\s]+", spec or "")):
-        if not entry:
-            continue
-        if entry == "*":
-            out.append(entry)
-            continue
-        try:
-            out.append(str(ipaddress.ip_network(entry.strip("[]"), strict=False)))
-            continue
-        except ValueError:
-            pass
-        if not _NODE_NAME.match(entry):
-            raise ValueError(f"{what}: {entry!r} is not a host name, an IP address or network, or *")
-        out.append(entry)
-    return tuple(out)
-
-
-def _env(name: str) -> str:
-    return os.environ.get(name, "").strip()
-
-
-def _hub_internal_ssl() -> tuple[str, str, str] | None:
-    """In the hub process with ``internal_ssl`` on: its trust bundle, certificate and key."""
-    app_module = sys.modules.get("jupyterhub.app")  # never imported here: only if the hub runs
-    hub_class = getattr(app_module, "JupyterHub", None)
-    try:
-        if hub_class is None or not hub_class.initialized():
-            return None
-        hub = hub_class.instance()
-        if not hub.internal_ssl:
-            return None
-        return str(hub.internal_ssl_ca or ""), str(hub.internal_ssl_cert or ""), str(hub.internal_ssl_key or "")
-    except Exception:  # noqa: BLE001 - a hub of another version: the environment alone decides
-        return None
-
-
 # -- is it a node summary -----------------------------------------------------------------------
 def summary_problem(data: Any) -> str | None:
     """Why ``data`` is not a node summary (None: it is one).
@@ -451,22 +317,6 @@ def summary_problem(data: Any) -> str | None:
         where = "/".join(str(part) for part in error.absolute_path)
         return _short(f"{where}: {message}" if where else message)
     return _count_problem(data)
-
-
-def _count_problem(summary: Mapping) -> str | None:
-    for key in _SUMMARY_COUNTS + _NEWER_COUNTS:
-        value = summary.get(key)
-        if value is None and key in _NEWER_COUNTS:
-            continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            return f"{key} is not a count"
-    gpus, free, reclaimable = summary["gpus"], summary["free"], summary["reclaimable"]
-    if free + reclaimable > gpus:
-        return f"{free} free and {reclaimable} reclaimable GPUs of {gpus}"
-    devices = summary.get("devices")
-    if isinstance(devices, list) and gpus > len(devices):
-        return f"{gpus} GPUs, but {len(devices)} listed"
-    return None
 
 
 @functools.lru_cache(maxsize=1)
@@ -643,44 +493,6 @@ def _message(body: bytes | None) -> str:
         return _short(str(data.get("message")), 200)
     except (ValueError, AttributeError):
         return _short((body or b"").decode("utf-8", "replace"), 200) or "no message"
-
-
-# -- which node --------------------------------------------------------------------------------
-def choose_node(summaries: Mapping[str, dict | None], count: int = 1) -> str | None:
-    """The node that would serve a claim of ``count`` GPUs best, from the node brokers' summaries.
-
-    Pure. Only nodes whose broker answered and that have at least ``count`` schedulable GPUs
-    (``gpus``) are candidates. A node's *room* is its free and reclaimable GPUs (idle or borrowed
-    leases the reclaim ladder can take back) less what is already coming for them: the GPUs its
-    waiting claims ask for (``pending_gpus``), and one for each connected server that holds no
-    lease yet (``servers_without_lease``: kernels bind at their first cell, so a server that
-    just started holds nothing but will claim soon). The best is, in this order: a node whose room
-    holds the claim; then the fewest servers (as Kubernetes spreads pods that ask for the same);
-    the most room; the most free GPUs; and the node name, for ties. None when no broker answered
-    or no node has ``count`` GPUs. A broker too old to report ``pending_gpus`` counts one GPU per
-    waiting claim, and servers as none. A summary whose counts are not counts, or do not add up
-    (more free GPUs than GPUs), is a broken node's and never chosen.
-    """
-    if count < 1:
-        raise ValueError(f"count must be at least 1, not {count}")
-    best: tuple | None = None
-    for name, summary in summaries.items():
-        if not summary or not isinstance(summary, Mapping) or _count_problem(summary):
-            continue
-
-        def number(key: str, default: int = 0) -> int:
-            value = summary.get(key)
-            return default if value is None else int(value)
-
-        gpus, free, reclaimable = number("gpus"), number("free"), number("reclaimable")
-        if gpus < count:
-            continue
-        coming = number("pending_gpus", number("pending")) + number("servers_without_lease")
-        room = free + reclaimable - coming
-        key = (room < count, number("servers"), -room, -free, name)
-        if best is None or key < best:
-            best = key
-    return None if best is None else best[-1]
 
 
 async def _best_broker(count: int, logger: logging.Logger, who: str) -> tuple[NodeBroker, dict] | None:

@@ -44,7 +44,7 @@ from ..core import usage as core_usage
 from ..core.lifecycle import new_claim, request_resume, step_done, suspended
 from ..core.model import Device, KernelActivity, Lease, LeaseState, Step
 from ..core.scheduler import plan
-from ..kubernetes import choose_node
+from ..core.nodes import choose_node
 from . import nodes as cluster
 from . import users as user_delays
 from .options import CHECKPOINT_FIXED_S, CHECKPOINT_GBPS, GB, ReplayOptions, SimulationError
