@@ -102,9 +102,17 @@ class LeaseAPI(APIMixin):
             self.reply(await self.scheduler.lease(who, lease_id))
 
     async def delete(self, lease_id: str) -> None:
+        """204 when released with nothing left behind; 200 with ``{released, lease, memory_held,
+        processes, message}`` when the kernel's processes hold GPU memory (``?memory_held=keep``
+        keeps the lease then, the default releases it all the same)."""
+        with bad_input():
+            choice = api_input.memory_held_choice(self.get_argument("memory_held", None))  # type: ignore[attr-defined]
         who = await self.principal("write")
         with arbiter_errors():
-            await self.scheduler.release(who, lease_id)
+            answer = await self.scheduler.release(who, lease_id, memory_held=choice)
+        if answer is not None:
+            self.reply(answer, 200)
+            return
         self.set_status(204)  # type: ignore[attr-defined]
         self.finish()  # type: ignore[attr-defined]
 

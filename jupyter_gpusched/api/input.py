@@ -275,3 +275,20 @@ def frameworks(data: dict) -> tuple[str, ...]:
     if unknown:
         raise InputError(f"unknown field(s) {', '.join(sorted(map(_show, unknown)))}; only frameworks is accepted")
     return tuple(value)
+
+
+#: What ``DELETE .../leases/{id}?memory_held=`` may ask for a lease whose kernel still holds GPU
+#: memory: release it all the same (the default), or keep it.
+MEMORY_HELD_CHOICES = ("release", "keep")
+
+
+def memory_held_choice(value: str | None) -> str:
+    """The ``memory_held`` query parameter of a release (default ``release``)."""
+    if value is None or value == "":
+        return "release"
+    if value not in MEMORY_HELD_CHOICES:
+        raise InputError(
+            f"memory_held must be 'release' (release even if the kernel holds GPU memory) or 'keep' "
+            f"(keep the lease then), not {value!r}"
+        )
+    return value

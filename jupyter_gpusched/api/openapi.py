@@ -153,6 +153,45 @@ SCHEMAS = {
             "pid": {"type": "integer"},
             "memory_used": {"type": ["integer", "null"]},
             "kernel_id": {"type": ["string", "null"]},
+            "lease_id": {
+                "type": ["string", "null"],
+                "description": (
+                    "the lease on this GPU the process counts toward; null: outside every lease (not a "
+                    "kernel's, or a kernel's that holds no lease on this GPU, such as one released while "
+                    "its memory was kept): its memory counts as taken for new claims"
+                ),
+            },
+            "user": {"type": ["string", "null"], "description": "the user of the kernel it belongs to, where known"},
+        },
+    },
+    "Released": {
+        "type": "object",
+        "description": (
+            "A release whose kernel's processes still hold GPU memory on the lease's GPUs (more than a CUDA "
+            "context left behind)"
+        ),
+        "required": ["released", "lease", "memory_held", "processes", "message"],
+        "properties": {
+            "released": {
+                "type": "boolean",
+                "description": "whether the lease was released (false: kept, as memory_held=keep asked)",
+            },
+            "lease": _LEASE,
+            "memory_held": {"type": "integer", "description": "bytes the kernel's processes hold on the lease's GPUs"},
+            "processes": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["pid", "device", "device_index", "memory_used"],
+                    "properties": {
+                        "pid": {"type": "integer"},
+                        "device": {"type": "string", "description": "the GPU's UUID"},
+                        "device_index": {"type": "integer"},
+                        "memory_used": {"type": "integer", "description": "bytes"},
+                    },
+                },
+            },
+            "message": {"type": "string", "description": "what happened and what to do, for a person"},
         },
     },
     "Device": {
@@ -616,7 +655,26 @@ def openapi_document(broker: bool = False) -> dict:
                 "get": {"summary": "One lease", "responses": {"200": _resp("Lease", _LEASE), **_FIND_ERRORS}},
                 "delete": {
                     "summary": "Release now (a lease already released: nothing to do)",
-                    "responses": {"204": _resp("Released"), **_FIND_ERRORS},
+                    "parameters": [
+                        {
+                            "name": "memory_held",
+                            "in": "query",
+                            "schema": {"type": "string", "enum": ["release", "keep"]},
+                            "description": (
+                                "when the kernel's processes still hold GPU memory on the lease's GPUs: "
+                                "release all the same (release, the default; that memory then counts as "
+                                "taken there) or keep the lease (keep)"
+                            ),
+                        }
+                    ],
+                    "responses": {
+                        "200": _resp(
+                            "The kernel's processes hold GPU memory: released all the same, or kept (memory_held=keep)",
+                            {"$ref": "#/components/schemas/Released"},
+                        ),
+                        "204": _resp("Released; the kernel's processes hold no GPU memory on its GPUs"),
+                        **_FIND_ERRORS,
+                    },
                 },
             },
             "/api/gpusched/leases/{lease_id}/keep": {

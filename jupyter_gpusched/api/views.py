@@ -297,13 +297,24 @@ def device_json(
     if health == "ok" and snap.uuid in ctx.drained:
         health = "drained"
     processes = []
+    lease_of = {lease.kernel_id: lease.id for lease in held_by}
     for proc in snap.processes:
         kernel_id = ctx.process_kernels.get(proc.pid)
         user = ctx.kernel_users.get(kernel_id) if kernel_id else None
         if not (sees_everyone(viewer) or (user is not None and user == viewer.user)):
             # Another user's process (or one nobody knows whose): not even its pid is shown.
             continue
-        processes.append({"pid": proc.pid, "memory_used": proc.memory_used, "kernel_id": kernel_id})
+        processes.append(
+            {
+                "pid": proc.pid,
+                "memory_used": proc.memory_used,
+                "kernel_id": kernel_id,
+                # Null: outside every lease (no kernel's, or a kernel's whose lease is not on
+                # this GPU, such as one released with its memory kept): its memory counts as taken.
+                "lease_id": lease_of.get(kernel_id) if kernel_id else None,
+                "user": user,
+            }
+        )
     out = {
         "uuid": snap.uuid,
         "index": snap.index,

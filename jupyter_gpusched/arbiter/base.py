@@ -172,7 +172,12 @@ class Arbiter(abc.ABC):
         """Ask for GPUs for ``ask.kernel_id``; waits up to ``ask.wait`` seconds for the grant."""
 
     @abc.abstractmethod
-    async def release(self, who: Principal, lease_id: str) -> None: ...
+    async def release(self, who: Principal, lease_id: str, memory_held: str = "release") -> dict | None:
+        """Release a lease. Where its kernel's processes still hold GPU memory on its GPUs, the
+        answer says so (``{released, lease, memory_held, processes, message}``): with
+        ``memory_held="keep"`` the lease is then kept (``released`` false), with ``"release"``
+        it is released all the same and that memory counts as taken. ``None``: released, and
+        nothing was left behind."""
 
     @abc.abstractmethod
     async def keep(self, who: Principal, lease_id: str, seconds: float) -> dict: ...

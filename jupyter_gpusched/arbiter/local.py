@@ -27,6 +27,7 @@ from ..api.views import Principal
 from ..core import Capabilities, KernelActivity, Lease, LeaseState, SchedConfig
 from ..core import ladder as core_ladder
 from ..core import usage as core_usage
+from ..core.placement import STRAY_SLACK
 from ..devices.base import DeviceBackend, DeviceSnapshot, InventoryUnavailable
 from ..ledger import Ledger, LedgerError, LedgerWouldBlock, OwnerId, is_alive
 from ..reclaim.checkpoint import Checkpointer, Unavailable
@@ -36,7 +37,7 @@ from .base import MAX_WAIT, Arbiter, ArbiterEvent, ClaimResult, KernelHost, gpus
 from .base import BadRequest, Conflict, Forbidden, LedgerUnavailable, NoInventory, NotFound
 from .claims import ClaimRequest, write_claims
 from .claims import Host as ClaimHost
-from .observe import Observation, device_changed, observe
+from .observe import Observation, core_devices, device_changed, held_by_kernel, observe
 from .policy import AccessPolicy
 from .reads import LocalReads
 
@@ -284,7 +285,7 @@ class LocalArbiter(LocalReads, Arbiter):
         with self.ledger.transaction(self.clock(), wait=wait) as tx:
             now = tx.now
             drained = tx.drained()
-            devices = [d.to_core(drained=d.uuid in drained) for d in self.state.snapshot]
+            devices = core_devices(self.state.snapshot, drained, self.state.unleased)
             leases = tx.leases()
             before = {lease.id: lease for lease in leases}
             if reap:
@@ -721,12 +722,16 @@ class LocalArbiter(LocalReads, Arbiter):
         self.policy.act_on(who, lease)
         return lease
 
-    async def release(self, who: Principal, lease_id: str) -> None:
+    async def release(self, who: Principal, lease_id: str, memory_held: str = "release") -> dict | None:
         lease = self._own(who, lease_id)
         by = f"kernel {who.kernel_id}" if who.kernel_id else who.user
         why = f"released by {by}"
         if not lease.live:
-            return
+            return None
+        held = await self.held_now(lease)
+        if held and memory_held == "keep":
+            log.info("lease %s of kernel %s kept at release: its processes hold GPU memory", lease.id, lease.kernel_id)
+            return self._release_answer(False, lease, held, who)
         done = await self.update(lease, lambda cur, now: core.released(cur, now, why))
         if done is not None:
             log.info("lease %s of kernel %s %s", lease.id, lease.kernel_id, why)
@@ -734,6 +739,66 @@ class LocalArbiter(LocalReads, Arbiter):
                 self.publish(ArbiterEvent("notice", notice=notice("released", done, f"Your GPU lease was {why}")))
         if self.state.queue:
             await self.replan()  # someone waits (on any server of this ledger): grant them now
+        if not held:
+            return None
+        log.warning(
+            "lease %s of kernel %s released while its processes hold %s of GPU memory; it counts as taken",
+            lease.id, lease.kernel_id, core.format_bytes(sum(p["memory_used"] for p in held)),
+        )
+        return self._release_answer(True, done or self._find(lease_id), held, who)
+
+    async def held_now(self, lease: Lease) -> list[dict]:
+        """What ``lease``'s kernel holds on its GPUs now, read afresh from the GPUs' process
+        lists: the processes on a GPU where they hold more than a CUDA context left behind
+        (``placement.STRAY_SLACK``), the memory a release would leave behind. Empty for a lease
+        that holds no GPU, and where the GPUs or the kernels cannot be read."""
+        if not lease.holding or self.backend is None or self.kernels is None:
+            return []
+        try:
+            snap = await asyncio.to_thread(self.backend.snapshot)
+        except InventoryUnavailable:
+            snap = self.state.snapshot
+        try:
+            trees = await asyncio.to_thread(self.kernels.process_trees)
+        except Exception:  # noqa: BLE001 - a release must not fail because a process scan did
+            log.warning("kernel %s: could not read its processes at release", lease.kernel_id, exc_info=True)
+            return []
+        found = held_by_kernel(snap, trees.get(lease.kernel_id) or set(), lease.devices)
+        per_gpu: dict[str, int] = {}
+        for item in found:
+            per_gpu[item["device"]] = per_gpu.get(item["device"], 0) + item["memory_used"]
+        return [item for item in found if per_gpu[item["device"]] > STRAY_SLACK]
+
+    def _release_answer(self, released: bool, lease: Lease, held: list[dict], who: Principal) -> dict:
+        """The ``DELETE`` answer for a lease whose kernel holds GPU memory (``held``)."""
+        total = sum(p["memory_used"] for p in held)
+        where = ", ".join(
+            f"pid {p['pid']} holds {core.format_bytes(p['memory_used'])} on GPU {p['index']}" for p in held
+        )
+        gpus = ", ".join(dict.fromkeys(f"GPU {p['index']}" for p in held))
+        if released:
+            message = (
+                f"Released lease {lease.id}, but kernel {lease.kernel_id}'s processes still hold "
+                f"{core.format_bytes(total)} of GPU memory ({where}). That memory counts as taken on {gpus} "
+                "until they free it or the kernel ends: no claim is placed there that does not fit beside it."
+            )
+        else:
+            message = (
+                f"Lease {lease.id} is kept: kernel {lease.kernel_id}'s processes hold {core.format_bytes(total)} "
+                f"of GPU memory ({where}), which a release would leave behind on {gpus}. Free that memory and "
+                "release again, or release with memory_held=release to leave it behind (it then counts as "
+                f"taken on {gpus} until it is freed)."
+            )
+        return {
+            "released": released,
+            "lease": self.render_lease(lease, who),
+            "memory_held": total,
+            "processes": [
+                {"pid": p["pid"], "device": p["device"], "device_index": p["index"], "memory_used": p["memory_used"]}
+                for p in held
+            ],
+            "message": message,
+        }
 
     async def keep(self, who: Principal, lease_id: str, seconds: float) -> dict:
         lease = self._own(who, lease_id)

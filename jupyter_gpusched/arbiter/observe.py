@@ -7,10 +7,10 @@ own GPUs; the rest is reported as outside every lease.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping
 
-from ..core import KernelActivity, Lease
+from ..core import Device, KernelActivity, Lease
 from ..devices.base import DeviceSnapshot
 
 
@@ -74,6 +74,42 @@ def observe(
             gpu_memory=memory.get(kernel_id, 0) if has_inventory else None,
         )
     return Observation(activity, pid_kernel, tuple(unleased), dict(trees))
+
+
+def core_devices(
+    snapshot: Iterable[DeviceSnapshot], drained: Iterable[str], unleased: Iterable[dict]
+) -> list[Device]:
+    """The devices as the scheduler sees them, each with what kernels hold there outside their
+    leases (``unleased``, as :func:`observe` reports it): that memory counts as taken for every
+    claim but the kernel's own."""
+    drained = set(drained)
+    held: dict[str, dict[str, int]] = {}
+    for item in unleased:
+        kernel_id = item.get("kernel_id")
+        if kernel_id and item.get("memory_used"):
+            on = held.setdefault(item["device"], {})
+            on[kernel_id] = on.get(kernel_id, 0) + item["memory_used"]
+    out = []
+    for snap in snapshot:
+        device = snap.to_core(drained=snap.uuid in drained)
+        if snap.uuid in held:
+            device = replace(device, kernel_memory=tuple(sorted(held[snap.uuid].items())))
+        out.append(device)
+    return out
+
+
+def held_by_kernel(snapshot: Iterable[DeviceSnapshot], pids: set[int], devices: Iterable[str]) -> list[dict]:
+    """What a kernel's processes (``pids``) hold on ``devices`` (uuids), from the GPUs' own
+    process lists: one ``{pid, device, index, memory_used}`` per process and GPU holding memory."""
+    wanted = set(devices)
+    out = []
+    for device in snapshot:
+        if device.uuid not in wanted:
+            continue
+        for proc in device.processes:
+            if proc.pid in pids and proc.memory_used:
+                out.append({"pid": proc.pid, "device": device.uuid, "index": device.index, "memory_used": proc.memory_used})
+    return out
 
 
 def device_changed(old: DeviceSnapshot, new: DeviceSnapshot) -> bool:

@@ -539,8 +539,10 @@ class BrokerClient(Arbiter):
         self.beat_now()
         return ClaimResult(status, lease)
 
-    async def release(self, who: Principal, lease_id: str) -> None:
-        await self.call("DELETE", f"leases/{urllib.parse.quote(lease_id, safe='')}", who)
+    async def release(self, who: Principal, lease_id: str, memory_held: str = "release") -> dict | None:
+        query = {"memory_held": memory_held} if memory_held != "release" else None
+        status, data = await self.call("DELETE", f"leases/{urllib.parse.quote(lease_id, safe='')}", who, query=query)
+        return data if status == 200 and isinstance(data, dict) else None
 
     async def keep(self, who: Principal, lease_id: str, seconds: float) -> dict:
         path = f"leases/{urllib.parse.quote(lease_id, safe='')}/keep"

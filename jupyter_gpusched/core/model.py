@@ -52,7 +52,9 @@ class Device:
 
     ``group`` names a set of well-connected devices (an NVLink clique or one PCIe switch);
     multi-GPU claims prefer devices of one group. ``parent`` is the physical GPU of a MIG
-    instance.
+    instance. ``kernel_memory`` is what kernels hold here outside their leases, as
+    ``(kernel_id, bytes)`` pairs (a kernel that gave its lease back and kept its memory): that
+    memory counts as taken for every claim but the kernel's own.
     """
 
     uuid: str
@@ -64,6 +66,7 @@ class Device:
     parent: str | None = None
     utilization: float | None = None
     memory_used: int | None = None
+    kernel_memory: tuple[tuple[str, int], ...] = ()
 
     @property
     def schedulable(self) -> bool:

@@ -48,10 +48,18 @@ class Occupancy:
     held: int = 0
 
 
-def stray(occ: Occupancy) -> int:
-    """Bytes outside every lease on a device that a new claim counts as taken (none up to
-    :data:`STRAY_SLACK`, all of it beyond)."""
-    return occ.outside if occ.outside > STRAY_SLACK else 0
+def own_memory(device: Device, kernel_id: str) -> int:
+    """Bytes ``kernel_id``'s processes hold on ``device`` outside its leases."""
+    return sum(size for kid, size in device.kernel_memory if kid == kernel_id)
+
+
+def stray(device: Device, occ: Occupancy, lease: Lease) -> int:
+    """Bytes outside every lease on ``device`` that ``lease``, a new claim, counts as taken: not
+    what its own kernel holds there, and none up to :data:`STRAY_SLACK` (all of it beyond)."""
+    outside = occ.outside
+    if outside and device.kernel_memory:
+        outside -= own_memory(device, lease.kernel_id)
+    return outside if outside > STRAY_SLACK else 0
 
 
 def held_per_device(lease: Lease) -> int:
@@ -145,7 +153,7 @@ def fits(device: Device, occ: Occupancy, lease: Lease) -> bool:
             return restoring <= device.memory_total - occ.outside
         # Memory outside every lease is someone's: a claim for a size fits beside it, a claim
         # for the whole GPU does not.
-        taken = stray(occ)
+        taken = stray(device, occ, lease)
         return taken == 0 or (lease.memory is not None and lease.memory <= device.memory_total - taken)
     need = lease.promised_memory(device)
     if restoring is not None:
@@ -153,7 +161,7 @@ def fits(device: Device, occ: Occupancy, lease: Lease) -> bool:
         # which may be more than a shared lease's share).
         room = device.memory_total - occ.outside
         return occ.promised + max(need, restoring) <= room and occ.held + restoring <= room
-    return occ.promised + need <= device.memory_total - stray(occ)
+    return occ.promised + need <= device.memory_total - stray(device, occ, lease)
 
 
 def restore_short(device: Device, occ: Occupancy, lease: Lease) -> int | None:
@@ -172,14 +180,19 @@ def _load_key(device: Device) -> tuple:
     return (device.utilization or 0.0, device.memory_used or 0, device.index, device.uuid)
 
 
-def _order(lease: Lease, candidates: list[Device], occ: dict[str, Occupancy]) -> list[Device]:
+def _order(lease: Lease, candidates: list[Device], occ: Mapping[str, Occupancy]) -> list[Device]:
+    # A GPU where the claim's kernel still holds memory comes first: CUDA in that kernel may be
+    # initialized there already, and its memory is there.
+    def own(device: Device) -> int:
+        return 0 if device.kernel_memory and own_memory(device, lease.kernel_id) else 1
+
     if lease.mode == EXCLUSIVE:
-        return sorted(candidates, key=_load_key)
+        return sorted(candidates, key=lambda d: (own(d), *_load_key(d)))
 
     def leftover(device: Device) -> tuple:
         taken = occ[device.uuid]
-        left = device.memory_total - stray(taken) - taken.promised - lease.promised_memory(device)
-        return (left, *_load_key(device))
+        left = device.memory_total - stray(device, taken, lease) - taken.promised - lease.promised_memory(device)
+        return (own(device), left, *_load_key(device))
 
     return sorted(candidates, key=leftover)
 

@@ -37,6 +37,7 @@ from .placement import (
     restore_need,
     restore_short,
     schedulable,
+    stray,
     vacate,
 )
 from .placement import RESTORE_MARGIN
@@ -91,6 +92,8 @@ class _Host:
         self.used = {d.uuid: d for d in devices if d.memory_used}
         # The schedulable ones among them (where memory outside any lease can keep a claim off).
         self.used_pool = tuple(d for d in self.pool if d.memory_used)
+        # Kernels that hold memory on a device outside their leases (their claims go there first).
+        self.kernels_outside = frozenset(kid for d in self.pool for kid, _ in d.kernel_memory)
 
     def occupancy_of(
         self, exclusive: bool, promised: int, holders: int, outside: int = 0, held: int = 0
@@ -352,7 +355,10 @@ class _Pass:
 
     def _placement(self, lease: Lease, leases, only, models, occ, avoid: AbstractSet[str] = frozenset()):
         """``placement_for`` within ``only`` (uuids) or ``models`` (device names), off ``avoid``."""
-        if occ is not None and lease.mode == EXCLUSIVE and not self.host.grouped:
+        if (
+            occ is not None and lease.mode == EXCLUSIVE and not self.host.grouped
+            and lease.kernel_id not in self.host.kernels_outside
+        ):
             return self.exclusive_placement(lease, avoid, occ, only, models)
         if only is not None:
             allowed = [u for u in only if u not in avoid]
@@ -498,7 +504,8 @@ class _Pass:
             if device.uuid in avoid or not taken.outside or fits(device, taken, lease):
                 continue
             if fits(device, Occupancy(taken.exclusive, taken.promised, taken.holders), lease):
-                blocked.append((-taken.outside, device.index, taken.outside))
+                outside = stray(device, taken, lease)
+                blocked.append((-outside, device.index, outside))
         if not blocked:
             return None
         _, index, outside = min(blocked)

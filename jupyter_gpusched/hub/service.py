@@ -55,8 +55,8 @@ class Broker:
     async def drain(self, who: Principal, uuid: str, drained: bool, reason: str = "") -> dict:
         return await self.arbiter.drain(who, uuid, drained, reason)
 
-    async def release(self, who: Principal, lease_id: str) -> None:
-        await self.arbiter.release(who, lease_id)
+    async def release(self, who: Principal, lease_id: str) -> dict | None:
+        return await self.arbiter.release(who, lease_id)
 
     def node_summary(self, node: str) -> dict:
         """This node's GPUs, leases and queue in brief (``GET api/gpusched/node``)."""

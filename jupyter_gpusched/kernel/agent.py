@@ -259,9 +259,13 @@ class Agent:
         """
         return self.claims.acquire
 
-    def release(self, *, quiet: bool = False) -> dict | None:
-        """Give this kernel's GPUs back now (and withdraw a waiting claim)."""
-        return self.claims.release(quiet=quiet)
+    def release(self, *, quiet: bool = False, free: bool = False) -> dict | None:
+        """Give this kernel's GPUs back now (and withdraw a waiting claim).
+
+        With ``free`` the frameworks' memory caches are emptied first. What this kernel's
+        processes still hold on those GPUs stays counted as taken there; the message says so.
+        """
+        return self.claims.release(quiet=quiet, free=free)
 
     def keep(self, duration: float | str = "30m", *, quiet: bool = False) -> dict:
         """Pin this kernel's lease against idle reclaim for ``duration`` (0 unpins)."""

@@ -59,9 +59,13 @@ class GPU:
         """
         return GPULease(self.agent.acquire(count, memory=memory, mode=mode, wait=wait, priority=priority))
 
-    def release(self) -> dict | None:
-        """Give this kernel's GPUs back now; returns the released lease (``None``: none held)."""
-        return self.agent.release()
+    def release(self, free: bool = False) -> dict | None:
+        """Give this kernel's GPUs back now; returns the released lease (``None``: none held).
+
+        ``free=True`` empties the frameworks' memory caches (PyTorch, CuPy) first. Memory this
+        kernel still holds on those GPUs stays counted as taken there until it is freed.
+        """
+        return self.agent.release(free=free)
 
     def keep(self, duration: float | str = "30m") -> dict:
         """No idle reclaim of this kernel's lease for ``duration``: a duration with its unit
@@ -93,7 +97,8 @@ class GPU:
         try:
             yield lease
         finally:
-            self.agent.release(quiet=True)
+            # Whatever the block left on the GPU is freed as far as the frameworks can.
+            self.agent.release(quiet=True, free=True)
 
     def __repr__(self) -> str:
         from .agent import existing_agent

@@ -349,15 +349,18 @@ class Claims:
             )
         return err.message
 
-    def release(self, *, quiet: bool = False) -> dict | None:
+    def release(self, *, quiet: bool = False, free: bool = False) -> dict | None:
         """See :meth:`Agent.release`."""
         agent = self.agent
         lease = agent.refresh()
+        frameworks = agent.free_caches() if free else []
         if not lease or lease.get("state") not in LIVE:
             if not quiet:
-                agent._say("This kernel holds no GPU.")
+                agent._say(self.no_lease_text(free, frameworks))
             return None
-        agent.client.release(lease["id"])
+        # The server says what this kernel's processes still hold on the lease's GPUs: memory
+        # that stays behind when the lease goes, and counts as taken there.
+        left = agent.client.release(lease["id"])
         agent._released_by_me.add(lease["id"])
         agent._user_released = True
         was = lease.get("state")
@@ -373,7 +376,11 @@ class Claims:
                 text = "Released this kernel's checkpointed GPU state; CUDA in this kernel will not work until it restarts."
             else:
                 text = f"Released {render.gpu_label(lease)}."
-                if initialized:
+                if frameworks:
+                    text += f" Emptied the GPU memory caches of {', '.join(frameworks)} first."
+                if left is not None:
+                    text += " " + memory_left_text(left, freed=free)
+                elif initialized:
                     text += (
                         " CUDA is still initialized in this kernel and may hold memory on it: restart the "
                         "kernel (or free its GPU memory) so that the next holder has the whole GPU."
@@ -382,6 +389,34 @@ class Claims:
                 text += " This kernel takes no GPU again until you run `%gpu acquire`."
             agent._say(text)
         return released
+
+    def no_lease_text(self, free: bool, frameworks: list[str]) -> str:
+        """What ``%gpu release`` says with no lease to release (``--free``: what it emptied, and
+        what this kernel's processes still hold on GPUs outside any lease, as last seen)."""
+        if not free:
+            return "This kernel holds no GPU."
+        text = "This kernel holds no GPU lease; " + (
+            f"emptied the GPU memory caches of {', '.join(frameworks)}." if frameworks
+            else "no framework cache to empty (PyTorch and CuPy hold none in it)."
+        )
+        try:
+            status = self.agent.status()
+        except GPUSchedError:
+            return text
+        mine = self.agent.client.kernel_id
+        held = [
+            (dev.get("index"), proc.get("memory_used") or 0)
+            for dev in status.get("devices") or []
+            for proc in dev.get("processes") or []
+            if mine and proc.get("kernel_id") == mine and render.outside_lease(proc) and proc.get("memory_used")
+        ]
+        if held:
+            where = ", ".join(f"{render.format_bytes(size)} on GPU {index}" for index, size in held)
+            text += (
+                f" Its processes held {where} outside any lease when last seen, counted as taken there: `del` "
+                "what you no longer need, or restart the kernel."
+            )
+        return text
 
     def keep(self, duration: float | str = "30m", *, quiet: bool = False) -> dict:
         """See :meth:`Agent.keep`."""
@@ -401,3 +436,27 @@ class Claims:
             else:
                 agent._say(f"{render.gpu_label(kept)} is no longer kept; idle reclaim applies again.")
         return kept
+
+
+def held_gpus(answer: Mapping[str, Any]) -> str:
+    """``GPU 2`` or ``GPUs 0, 1``: where a release's answer says the kernel holds memory."""
+    indices = list(dict.fromkeys(str(p.get("device_index", "?")) for p in answer.get("processes") or []))
+    return ("GPU " if len(indices) == 1 else "GPUs ") + ", ".join(indices) if indices else "its GPU"
+
+
+def memory_left_text(answer: Mapping[str, Any], freed: bool) -> str:
+    """What a release left behind (the server's answer), and the user's choice about it."""
+    gpus = held_gpus(answer)
+    pids = ", ".join(dict.fromkeys(str(p.get("pid")) for p in answer.get("processes") or []))
+    text = (
+        f"This kernel's processes still hold {render.format_bytes(answer.get('memory_held'))} of GPU memory "
+        f"on {gpus} (pid {pids}). It stays counted as taken there: no claim is given {gpus} unless it fits "
+        "beside that memory. "
+    )
+    if freed:
+        return text + "It is what this kernel still uses: `del` what you no longer need, or restart the kernel."
+    return text + (
+        "Free it: `del` the tensors and arrays you no longer need, then run `%gpu release --free`, which "
+        "also empties PyTorch's and CuPy's memory caches (next time, run it instead of `%gpu release`). "
+        "Or keep it, if this kernel still needs that data: it stays this kernel's until freed or the kernel ends."
+    )

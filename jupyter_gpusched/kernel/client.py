@@ -273,9 +273,13 @@ class Client:
         poll = min(float(wait or 0), MAX_LONG_POLL)
         return self.request("POST", "api/gpusched/leases", body, timeout=self.timeout + poll)
 
-    def release(self, lease_id: str) -> None:
-        """``DELETE api/gpusched/leases/{id}`` (204)."""
-        self.request("DELETE", f"api/gpusched/leases/{urllib.parse.quote(lease_id)}")
+    def release(self, lease_id: str, memory_held: str = "release") -> dict | None:
+        """``DELETE api/gpusched/leases/{id}``: ``None`` (204), or the server's word that the
+        kernel's processes hold GPU memory (200: ``{released, lease, memory_held, processes,
+        message}``; ``memory_held="keep"`` keeps the lease then)."""
+        query = {"memory_held": memory_held} if memory_held != "release" else None
+        status, data = self.request("DELETE", f"api/gpusched/leases/{urllib.parse.quote(lease_id)}", query=query)
+        return data if status == 200 and isinstance(data, dict) else None
 
     def keep(self, lease_id: str, seconds: float) -> dict:
         """``POST api/gpusched/leases/{id}/keep`` with ``{"seconds": N}``."""

@@ -23,7 +23,9 @@ USAGE = """\
 %gpu status [--all]       the same; --all adds every lease, the queue and stray GPU processes
 %gpu acquire [N] [--memory 16GiB] [--shared | --exclusive] [--wait 10m | --no-wait]
                           ask for N GPUs (default: the kernelspec's); waits with a live queue position
-%gpu release              give this kernel's GPUs back now (or withdraw a waiting request)
+%gpu release [--free]     give this kernel's GPUs back now (or withdraw a waiting request); --free
+                          empties PyTorch's and CuPy's memory caches first. Memory it still holds
+                          stays counted as taken on that GPU, and the output says so
 %gpu keep 30m             no idle reclaim for 30 minutes (0 to stop keeping)
 %gpu panel                the live status panel (ipywidgets)"""
 
@@ -62,6 +64,7 @@ def _parsers() -> dict[str, _Parser]:
     acquire.add_argument("--priority", type=int)
 
     release = _Parser(prog="%gpu release", add_help=False)
+    release.add_argument("--free", action="store_true")
 
     keep = _Parser(prog="%gpu keep", add_help=False)
     keep.add_argument("duration", nargs="?", default="30m")
@@ -156,7 +159,7 @@ class GPUMagics(Magics):
         self.agent.acquire(args.count, memory=args.memory, mode=args.mode, wait=wait, priority=args.priority)
 
     def _release(self, args: argparse.Namespace) -> None:
-        self.agent.release()
+        self.agent.release(free=args.free)
 
     def _keep(self, args: argparse.Namespace) -> None:
         duration = "0" if args.duration in ("off", "none", "no") else args.duration

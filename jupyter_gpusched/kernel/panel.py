@@ -278,6 +278,10 @@ class Panel:
                 _set(self.lease_html, value="This host has no GPUs to schedule.")
             for dev in devices:
                 holder, is_mine = render.device_holders(dev, by_id, self.kernel_id)
+                strays = render.unleased_lines([dev], self.kernel_id)
+                if strays:
+                    # "GPU 2: pid 1234, ann, 8.0 GiB" -> "pid 1234, ann, 8.0 GiB outside any lease"
+                    holder += "; " + "; ".join(line.split(": ", 1)[1] for line in strays) + " outside any lease"
                 self.rows[str(dev.get("uuid"))].update(dev, holder, is_mine, mine)
 
             if devices:

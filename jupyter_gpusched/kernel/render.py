@@ -322,6 +322,28 @@ def memory_label(device: Mapping[str, Any], mine: Mapping[str, Any] | None = Non
     return f"{format_bytes(used)} / {format_bytes(total)}"
 
 
+def outside_lease(proc: Mapping[str, Any]) -> bool:
+    """Whether a device's process counts toward no lease on that GPU (its memory is taken)."""
+    if "lease_id" in proc:
+        return not proc.get("lease_id")
+    return not proc.get("kernel_id")
+
+
+def unleased_lines(devices: Iterable[Mapping[str, Any]], kernel_id: str | None) -> list[str]:
+    """``GPU 2: pid 1234, this kernel, 8.0 GiB``: each GPU process outside every lease."""
+    out = []
+    for dev in devices:
+        for proc in dev.get("processes") or []:
+            if not outside_lease(proc):
+                continue
+            if kernel_id and proc.get("kernel_id") == kernel_id:
+                whose = "this kernel (no lease on this GPU)"
+            else:
+                whose = str(proc.get("user") or ("a kernel" if proc.get("kernel_id") else "no kernel"))
+            out.append(f"GPU {dev.get('index')}: pid {proc.get('pid')}, {whose}, {format_bytes(proc.get('memory_used'))}")
+    return out
+
+
 # -- %gpu status ----------------------------------------------------------------------------
 def status_report(
     status: Mapping[str, Any],
@@ -390,6 +412,15 @@ def status_report(
         text.append(line)
         html_parts.append(f"<p>{html.escape(line)}</p>")
 
+    strays = unleased_lines(devices, kernel_id)
+    if strays:
+        title = "GPU processes outside any lease (their memory counts as taken):"
+        text.append("")
+        text.append(title)
+        text.extend(f"  {line}" for line in strays)
+        items = "".join(f"<li>{html.escape(line)}</li>" for line in strays)
+        html_parts.append(f"<p>{html.escape(title)}</p><ul>{items}</ul>")
+
     if show_all:
         lease_header = ("Lease", "Holder", "GPUs", "Asks for", "State", "Idle", "Reason")
         lease_rows = []
@@ -448,17 +479,6 @@ def status_report(
             else:
                 text.append("Nobody used a GPU recently.")
                 html_parts.append("<p>Nobody used a GPU recently.</p>")
-        strays = [
-            (dev.get("index"), proc)
-            for dev in devices
-            for proc in dev.get("processes") or []
-            if not proc.get("kernel_id")
-        ]
-        if strays:
-            text.append("")
-            text.append("GPU processes outside any lease:")
-            for index, proc in strays:
-                text.append(f"  GPU {index}: pid {proc.get('pid')} ({format_bytes(proc.get('memory_used'))})")
         meta = ", ".join(
             f"{key} {status.get(key)}" for key in ("mode", "backend", "policy") if status.get(key)
         )
