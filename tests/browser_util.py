@@ -133,6 +133,19 @@ class LabServer:
         self.env["JUPYTER_PATH"] = str(self.root / "prefix" / "share" / "jupyter")
         spec = self.root / "prefix" / "share" / "jupyter" / "kernels" / KERNEL_NAME / "kernel.json"
         assert spec.exists(), f"kernelspec install wrote nothing at {spec}"
+        self._serve_checkout_frontend()
+
+    def _serve_checkout_frontend(self) -> None:
+        """Serve the lab extension as built in this checkout (``jlpm build:prod`` writes it to
+        ``jupyter_gpusched/labextension``), not a copy an earlier ``pip install`` left in the
+        environment: JupyterLab takes the first extension of a name along ``JUPYTER_PATH``."""
+        built = ROOT / "jupyter_gpusched" / "labextension"
+        if not (built / "package.json").exists():
+            return  # not built here: the installed copy is what there is
+        where = self.root / "prefix" / "share" / "jupyter" / "labextensions"
+        where.mkdir(parents=True, exist_ok=True)
+        name = json.loads((built / "package.json").read_text())["name"]
+        (where / name).symlink_to(built, target_is_directory=True)
 
     def _quiet_lab(self) -> None:
         """No news or update checks: they would need the network and cover the notifications."""

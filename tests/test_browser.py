@@ -349,3 +349,48 @@ def test_reclaim_warning_counts_down_and_keep_stops_it(lab, page, notebooks, tra
     run_cell(page, "print(x + 1)")
     _output(page, "42").last.wait_for()
     lab.call("DELETE", f"api/kernels/{waiting}")
+
+
+def _kernel_status_text(page) -> str:
+    """What JupyterLab's status bar says of the current notebook's kernel: ``Python 3 | Idle``."""
+    return " ".join(page.locator("#jp-main-statusbar .jp-StatusBar-TextItem").all_inner_texts())
+
+
+def test_a_restart_says_so_in_one_line_and_leaves_no_countdown(lab, page, notebooks, train_memory, shots):
+    # train.ipynb is kept (the test before): unpin it, and let someone wait for its GPU again.
+    activate(page, TRAIN)
+    run_cell(page, "%gpu keep 0")
+    wait_for(lambda: not lab.lease_of(notebooks[TRAIN])["keep_until"], 15, "train.ipynb to be unpinned")
+    lease = lab.lease_of(notebooks[TRAIN])
+    waiting = lab.call("POST", "api/kernels", {"name": KERNEL_NAME})["id"]
+    claim = lab.call("POST", "api/gpusched/leases", {"kernel_id": waiting, "count": 1, "wait": 0})
+    assert claim["state"] == "pending", claim
+
+    # The countdown shows in train.ipynb's last cell, then the kernel is restarted.
+    countdown = re.compile(r"will be (taken back|reclaimed) in")
+    _output(page, countdown).first.wait_for(timeout=45_000)
+    granted = wait_for(
+        lambda: (lambda le: le if le and le["devices"] else None)(lab.lease_of(waiting)),
+        GRACE + 30,
+        "the waiting kernel to be granted train.ipynb's GPU",
+    )
+    assert granted["devices"] == lease["devices"], (granted, lease)
+
+    # One line says the kernel was restarted; no countdown is left, on screen or as saved.
+    restarted = _output(page, re.compile(r"restarted"))
+    restarted.first.wait_for(timeout=20_000)
+    outputs = page.locator(".jp-NotebookPanel:visible .jp-OutputArea-output")
+    texts = outputs.all_inner_texts()
+    assert not [t for t in texts if countdown.search(t)], texts
+    assert len([t for t in texts if "restarted" in t]) == 1, texts
+    # JupyterLab shows the kernel as it is: idle, not "Starting".
+    wait_for(lambda: "Idle" in _kernel_status_text(page), 30, "the status bar to show the restarted kernel idle")
+    page.screenshot(path=str(shots / "restarted.png"))
+    page.keyboard.press("ControlOrMeta+s")
+    page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab.lm-mod-current:not(.jp-mod-dirty)").wait_for(timeout=15_000)
+    saved = (lab.notebooks / TRAIN).read_text()
+    assert not countdown.search(saved) and "restarted" in saved, saved[-2000:]
+    # Its variables are gone, as the line says: the kernel is a new one.
+    run_cell(page, "print('x' in dir())")
+    _output(page, "False").last.wait_for(timeout=30_000)
+    lab.call("DELETE", f"api/kernels/{waiting}")

@@ -31,6 +31,7 @@ CONTRACT: dict[str, str] = {
     "IErrorPayload": "Error",
     "IUserUsage": "UserUsage",
     "IGroupUsage": "GroupUsage",
+    "IReleased": "Released",
 }
 
 #: Schemas no interface mirrors, and why.

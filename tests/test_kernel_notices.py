@@ -96,7 +96,11 @@ def test_a_reclaim_counts_down_and_says_what_follows(step, then):
         "GPU 0 will be taken back in 55 s because borrowed, idle and bob's claim L9 is waiting; "
         "run `%gpu keep 30m` to keep it." + then
     )
-    assert warning.html == f"<b>{warning.text.replace(chr(39), '&#x27;')}</b>"
+    # Bold, and marked for the lab extension (which replaces a countdown its kernel can no longer
+    # update): the lease, its GPUs, the step and when it is due.
+    due = reclaiming(step.value)["reclaim_at"]
+    marks = f'data-gpusched-countdown="L1" data-gpu="GPU 0" data-step="{step.value}" data-reclaim-at="{due}"'
+    assert warning.html == f"<b {marks}>{warning.text.replace(chr(39), '&#x27;')}</b>"
     assert warning.display_id == countdown_id({"id": "L1"}) == "gpusched-reclaim-L1"
     assert warning.update is False and warning.lease_id == "L1"
 

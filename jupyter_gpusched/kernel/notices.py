@@ -81,6 +81,20 @@ def countdown_id(lease: Mapping[str, Any]) -> str:
     return f"gpusched-reclaim-{lease.get('id')}"
 
 
+def countdown_html(lease: Mapping[str, Any], text: str) -> str:
+    """The countdown line in bold, marked for the lab extension: the lease, its GPUs, the step and
+    when it is due, so that a countdown the kernel can no longer update (its kernel was restarted,
+    or the notebook was saved and opened again) is replaced by what became of it."""
+    marks = {
+        "data-gpusched-countdown": lease.get("id") or "",
+        "data-gpu": render.gpu_label(lease),
+        "data-step": lease.get("reclaim_step") or "",
+        "data-reclaim-at": lease.get("reclaim_at") or "",
+    }
+    attrs = "".join(f' {name}="{html.escape(str(value))}"' for name, value in marks.items())
+    return f"<b{attrs}>{html.escape(text)}</b>"
+
+
 def countdown_text(lease: Mapping[str, Any], seconds_left: float) -> str:
     """"GPU 0 will be taken back in 55 s because ...; run `%gpu keep 30m` to keep it. Then ..." """
     reason = lease.get("reason") or ""
@@ -180,7 +194,7 @@ def notices(
                 Notice(
                     NoticeKind.RECLAIM_WARNING,
                     text,
-                    f"<b>{html.escape(text)}</b>",
+                    countdown_html(new, text),
                     countdown_id(new),
                     update=same and pstate == LeaseState.RECLAIMING,
                     lease_id=new.get("id"),

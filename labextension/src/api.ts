@@ -247,6 +247,8 @@ export function eventsUrl(settings: ServerConnection.ISettings): string {
 /** The REST calls the frontend makes. */
 export interface IGPUSchedClient {
   getStatus(): Promise<IStatusPayload>;
+  /** One lease, also one that has ended (`null` when the server does not say). */
+  getLease(leaseId: string): Promise<LeaseUpdate | null>;
   releaseLease(leaseId: string): Promise<void>;
   keepLease(leaseId: string, seconds: number): Promise<LeaseUpdate | null>;
   drainDevice(uuid: string): Promise<void>;
@@ -266,6 +268,15 @@ export class GPUSchedClient implements IGPUSchedClient {
       this.serverSettings
     );
     return parseStatus(body);
+  }
+
+  async getLease(leaseId: string): Promise<LeaseUpdate | null> {
+    const body = await requestAPI<unknown>(
+      `leases/${encodeURIComponent(leaseId)}`,
+      { method: 'GET' },
+      this.serverSettings
+    );
+    return isLeasePayload(body) ? body : null;
   }
 
   async releaseLease(leaseId: string): Promise<void> {

@@ -601,6 +601,42 @@ function isRecord(value: unknown): value is Record<string, unknown> {
 export interface IKernelBinding {
   /** The kernel binds lazily: its first cell asks for a GPU. */
   lazy?: boolean;
+  /** The kernel's last lease that ended, as the server said it ended (its `reason`). */
+  ended?: ILease | null;
+}
+
+/**
+ * How a kernel's lease ended, from the reason the server gave: the kernel gave it back itself
+ * (`%gpu release`, `gpu.release()`: it asks for none again by itself), the kernel was restarted
+ * or shut down to free its GPU (a new kernel process, or none), or the GPU was taken back
+ * another way (released while idle, by someone else, lost: the kernel asks again before its
+ * next cell).
+ */
+export type LeaseEnd = 'self' | 'restart' | 'shutdown' | 'taken';
+
+/** How `lease` (released) ended: see `LeaseEnd`. */
+export function leaseEnd(lease: Pick<ILease, 'reason'>): LeaseEnd {
+  const reason = lease.reason ?? '';
+  if (/^released by kernel\b/.test(reason)) {
+    return 'self';
+  }
+  if (/the kernel was restarted/.test(reason)) {
+    return 'restart';
+  }
+  if (/the kernel was shut down/.test(reason)) {
+    return 'shutdown';
+  }
+  return 'taken';
+}
+
+/** What the server said after "reclaimed: the kernel was restarted to free its GPU: ". */
+export function endReason(lease: Pick<ILease, 'reason'>): string {
+  const reason = lease.reason ?? '';
+  const match =
+    /^reclaimed: the kernel was (?:restarted|shut down) to free its GPU(?:: )?(.*)$/s.exec(
+      reason
+    );
+  return (match ? match[1] : reason).trim();
 }
 
 /** What the status bar shows for one kernel. */
@@ -645,6 +681,39 @@ export function summarizeKernel(
         device.health === 'ok' && holdersOfDevice(status, device).length === 0
     ).length;
     const host = `${free} of ${status.devices.length} free on this host`;
+    const ended = binding.ended ?? null;
+    const end = ended ? leaseEnd(ended) : null;
+    const gpu =
+      ended && (ended.device_indices ?? []).length > 0
+        ? formatDeviceIndices(ended.device_indices)
+        : null;
+    if (end === 'self') {
+      return {
+        text: 'GPU: none',
+        description:
+          `This kernel gave its ${gpu || 'GPU'} back and asks for none by itself: ` +
+          `run %gpu acquire to get one (${host}).`,
+        state: 'none'
+      };
+    }
+    if (end === 'taken') {
+      return {
+        text: 'GPU: at next cell',
+        description:
+          `${gpu || 'The GPU'} was taken back${ended?.reason ? ` (${ended.reason})` : ''}; ` +
+          `this kernel asks for a GPU again when its next cell runs (${host}).`,
+        state: 'lazy'
+      };
+    }
+    if (end === 'restart' && binding.lazy) {
+      return {
+        text: 'GPU: at first cell',
+        description:
+          `This kernel was restarted to free ${gpu || 'its GPU'} (its variables were lost); ` +
+          `it gets a GPU when its first cell runs (${host}).`,
+        state: 'lazy'
+      };
+    }
     if (binding.lazy) {
       return {
         text: 'GPU: at first cell',

@@ -9,6 +9,7 @@ import {
   ISessionContext,
   Notification
 } from '@jupyterlab/apputils';
+import { INotebookTracker } from '@jupyterlab/notebook';
 import { KernelSpec, Session } from '@jupyterlab/services';
 import { ISettingRegistry } from '@jupyterlab/settingregistry';
 import { IStatusBar } from '@jupyterlab/statusbar';
@@ -18,6 +19,7 @@ import { Widget } from '@lumino/widgets';
 
 import { gpuIcon } from './icons';
 import { GPUSchedModel } from './model';
+import { NotebookNotices } from './notebooks';
 import { GPUSchedNotifier, INotificationSink } from './notifier';
 import { GPUSchedPanel, PANEL_ID } from './panel';
 import { GPUStatusItem } from './statusbar';
@@ -97,7 +99,8 @@ const plugin: JupyterFrontEndPlugin<void> = {
     IStatusBar,
     ISettingRegistry,
     ILayoutRestorer,
-    ICommandPalette
+    ICommandPalette,
+    INotebookTracker
   ],
   activate: (
     app: JupyterFrontEnd,
@@ -105,7 +108,8 @@ const plugin: JupyterFrontEndPlugin<void> = {
     statusBar: IStatusBar | null,
     settingRegistry: ISettingRegistry | null,
     restorer: ILayoutRestorer | null,
-    palette: ICommandPalette | null
+    palette: ICommandPalette | null,
+    notebooks: INotebookTracker | null
   ): void => {
     const model = new GPUSchedModel({
       serverSettings: app.serviceManager.serverSettings
@@ -214,6 +218,12 @@ const plugin: JupyterFrontEndPlugin<void> = {
         .catch(reason => {
           console.error('jupyter-gpusched: failed to load settings.', reason);
         });
+    }
+
+    // Countdowns in notebooks that nobody updates any more (their kernel was restarted, or
+    // they were saved and opened again) are replaced by what became of the reclaim.
+    if (notebooks) {
+      new NotebookNotices({ model, tracker: notebooks });
     }
 
     model.start();

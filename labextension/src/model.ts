@@ -87,6 +87,9 @@ export function socketRetryDelay(
 /** Differences between the server's clock and this one up to this much are not skew, ms. */
 export const CLOCK_SKEW_MS = 5000;
 
+/** How many ended leases the model remembers by id (for the countdowns it replaces). */
+const MAX_ENDED = 500;
+
 /** The part of a WebSocket the model uses (a real `WebSocket` fits). */
 export interface IEventSocket {
   onopen: ((event: Event) => void) | null;
@@ -134,6 +137,14 @@ export class GPUSchedModel implements IDisposable {
   /** Emitted when the status, the connection state or the error changes. */
   get changed(): ISignal<this, void> {
     return this._changed;
+  }
+
+  /**
+   * Emitted when a lease ends (the server says it was released, or it went from the status),
+   * with the lease as it was before, its `state` now `released` and the server's `reason`.
+   */
+  get leaseEnded(): ISignal<this, ILease> {
+    return this._leaseEnded;
   }
 
   /** Emitted for every notice event. */
@@ -223,6 +234,13 @@ export class GPUSchedModel implements IDisposable {
     }
     const previous = this._status;
     const next = applyEvent(previous, event);
+    if (event.type === 'lease' && event.lease.state === 'released') {
+      const before =
+        previous?.leases.find(lease => lease.id === event.lease.id) ?? null;
+      this._recordEnded(before, event.lease);
+    } else if (event.type === 'snapshot') {
+      this._noticeGone(previous, next);
+    }
     if (next !== previous) {
       this._status = next;
       this._changed.emit();
@@ -230,6 +248,22 @@ export class GPUSchedModel implements IDisposable {
         this._refreshUsageAfter(previous, event.lease);
       }
     }
+  }
+
+  /**
+   * The last lease of a kernel that ended while this page watched, with the server's reason,
+   * `null` if none (or the kernel holds or waits for one again).
+   */
+  endedLeaseOfKernel(kernelId: string | null | undefined): ILease | null {
+    if (!kernelId || this.leaseOfKernel(kernelId) !== null) {
+      return null;
+    }
+    return this._ended.get(kernelId) ?? null;
+  }
+
+  /** A lease that ended while this page watched, by id, as the server said it ended. */
+  endedLease(leaseId: string | null | undefined): ILease | null {
+    return (leaseId && this._endedById.get(leaseId)) || null;
   }
 
   /** The lease of a kernel, `null` if it has none. */
@@ -463,7 +497,9 @@ export class GPUSchedModel implements IDisposable {
       return;
     }
     this._syncClock(payload.time);
+    const previous = this._status;
     this._status = normalizeStatus(payload);
+    this._noticeGone(previous, this._status);
     this._error = null;
     if (this._connection !== 'live') {
       this._connection =
@@ -498,6 +534,59 @@ export class GPUSchedModel implements IDisposable {
         void this.refresh();
       }
     }, this._usageRefreshMs);
+  }
+
+  /**
+   * Remember how a lease ended: the server's final word (`update`, state `released`) over what
+   * it was (`before`), keeping the GPUs it held (a released lease names none).
+   */
+  private _recordEnded(before: ILease | null, update: LeaseUpdate): void {
+    const merged = { ...(before ?? {}), ...update } as ILease;
+    if (!merged.kernel_id) {
+      return;
+    }
+    if (before && (merged.devices ?? []).length === 0) {
+      merged.devices = before.devices;
+      merged.device_indices = before.device_indices;
+    }
+    this._ended.set(merged.kernel_id, merged);
+    this._endedById.set(merged.id, merged);
+    if (this._endedById.size > MAX_ENDED) {
+      const oldest = this._endedById.keys().next().value;
+      if (oldest !== undefined) {
+        this._endedById.delete(oldest);
+      }
+    }
+    this._leaseEnded.emit(merged);
+  }
+
+  /**
+   * Leases of this user that went from the status without an event saying why (a snapshot
+   * or a poll after they ended): ask the server how each ended.
+   */
+  private _noticeGone(previous: IStatus | null, next: IStatus | null): void {
+    if (!previous || !next) {
+      return;
+    }
+    const now = new Set(next.leases.map(lease => lease.id));
+    for (const lease of previous.leases) {
+      if (now.has(lease.id) || !lease.kernel_id || !this.isOwn(lease)) {
+        continue;
+      }
+      const known = this._ended.get(lease.kernel_id);
+      if (known?.id === lease.id) {
+        continue;
+      }
+      void this._client
+        .getLease(lease.id)
+        .then(final => {
+          if (final && final.state === 'released' && !this._isDisposed) {
+            this._recordEnded(lease, final);
+            this._changed.emit();
+          }
+        })
+        .catch(() => undefined);
+    }
   }
 
   private _refreshUnlessLive(): void {
@@ -560,6 +649,9 @@ export class GPUSchedModel implements IDisposable {
 
   private _changed = new Signal<this, void>(this);
   private _noticeReceived = new Signal<this, INotice>(this);
+  private _leaseEnded = new Signal<this, ILease>(this);
+  private _ended = new Map<string, ILease>();
+  private _endedById = new Map<string, ILease>();
   private _client: IGPUSchedClient;
   private _openSocket: (url: string) => IEventSocket;
   private _socketUrl: string;

@@ -5,7 +5,7 @@ import { ReactWidget, UseSignal } from '@jupyterlab/ui-components';
 import { ISignal, Signal } from '@lumino/signaling';
 import * as React from 'react';
 
-import { summarizeKernel } from './format';
+import { isHolding, summarizeKernel } from './format';
 import { useNow } from './hooks';
 import type { GPUSchedModel } from './model';
 
@@ -86,14 +86,14 @@ function KernelStatus(props: {
 }): React.ReactElement {
   const { model, kernelId, lazy, onActivate } = props;
   const lease = model.leaseOfKernel(kernelId);
+  // The text and the tooltip count time (idle, the idle forecast, a keep, a reclaim) while the
+  // lease holds GPUs, whether or not the server says anything new meanwhile.
   const ticking =
-    lease !== null &&
-    (lease.state === 'idle' ||
-      lease.state === 'reclaiming' ||
-      lease.reclaim_at !== null);
+    lease !== null && (isHolding(lease.state) || lease.reclaim_at !== null);
   const now = useNow(model, ticking);
   const summary = summarizeKernel(model.status, lease, now, model.error, {
-    lazy
+    lazy,
+    ended: model.endedLeaseOfKernel(kernelId)
   });
   const descriptionId = 'jp-gpusched-status-description';
 

@@ -28,8 +28,40 @@ export interface IDeviceProcess {
   pid: number;
   /** Bytes held on the device, `null` where the driver cannot tell. */
   memory_used: number | null;
-  /** The kernel the process belongs to, `null` for a process outside any lease. */
+  /** The kernel the process belongs to, `null` for a process of no kernel. */
   kernel_id: string | null;
+  /**
+   * The lease on this GPU the process counts toward; `null`: outside every lease (not a
+   * kernel's, or a kernel's that holds no lease on this GPU): its memory counts as taken.
+   */
+  lease_id?: string | null;
+  /** The user of the kernel it belongs to, where known. */
+  user?: string | null;
+}
+
+/** A process a release left behind on a GPU (`IReleased.processes`). */
+export interface IReleasedProcess {
+  pid: number;
+  /** The GPU's UUID. */
+  device: string;
+  device_index: number;
+  /** Bytes. */
+  memory_used: number;
+}
+
+/**
+ * The answer to a release whose kernel's processes still hold GPU memory on the lease's GPUs
+ * (`DELETE /api/gpusched/leases/{id}`, 200).
+ */
+export interface IReleased {
+  /** Whether the lease was released (false: kept, as `memory_held=keep` asked). */
+  released: boolean;
+  lease: ILease;
+  /** Bytes the kernel's processes hold on the lease's GPUs. */
+  memory_held: number;
+  processes: IReleasedProcess[];
+  /** What happened and what to do, for a person. */
+  message: string;
 }
 
 /** A GPU process outside every lease (`Status.unleased_processes`, for admins). */

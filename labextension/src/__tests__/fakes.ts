@@ -45,6 +45,10 @@ export class FakeClient implements IGPUSchedClient {
     }
     return this.status;
   });
+  ended: Record<string, LeaseUpdate> = {};
+  getLease = jest.fn(
+    async (id: string): Promise<LeaseUpdate | null> => this.ended[id] ?? null
+  );
   releaseLease = jest.fn(async (_id: string): Promise<void> => undefined);
   keepLease = jest.fn(
     async (id: string, seconds: number): Promise<LeaseUpdate | null> => ({

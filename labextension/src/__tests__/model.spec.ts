@@ -161,6 +161,69 @@ describe('GPUSchedModel', () => {
     expect(h.model.leaseOfKernel('k1')).toBeNull();
   });
 
+  it("remembers how a kernel's lease ended, with the GPUs it held", () => {
+    h = harness();
+    h.model.start();
+    const socket = h.sockets[0];
+    socket.open();
+    const held = lease('a', {
+      kernel_id: 'k1',
+      devices: ['GPU-1'],
+      device_indices: [1],
+      mine: true
+    });
+    socket.send({ type: 'snapshot', ...payload({ leases: [held] }) });
+    const ended: string[] = [];
+    h.model.leaseEnded.connect((_, l) => ended.push(l.id));
+    expect(h.model.endedLeaseOfKernel('k1')).toBeNull();
+
+    // A released lease names no GPU: the model keeps those it held.
+    socket.send({
+      type: 'lease',
+      lease: {
+        ...held,
+        state: 'released',
+        devices: [],
+        device_indices: [],
+        reason: 'released by kernel k1'
+      }
+    });
+    expect(ended).toEqual(['a']);
+    expect(h.model.leaseOfKernel('k1')).toBeNull();
+    expect(h.model.endedLeaseOfKernel('k1')).toMatchObject({
+      id: 'a',
+      reason: 'released by kernel k1',
+      device_indices: [1]
+    });
+    expect(h.model.endedLease('a')?.kernel_id).toBe('k1');
+
+    // A new lease of the kernel: it holds one again, and the old end no longer counts.
+    socket.send({ type: 'lease', lease: lease('b', { kernel_id: 'k1' }) });
+    expect(h.model.endedLeaseOfKernel('k1')).toBeNull();
+  });
+
+  it('asks the server how a lease ended when it went without an event', async () => {
+    h = harness();
+    h.model.start();
+    const socket = h.sockets[0];
+    socket.open();
+    const held = lease('a', {
+      kernel_id: 'k1',
+      device_indices: [0],
+      mine: true
+    });
+    socket.send({ type: 'snapshot', ...payload({ leases: [held] }) });
+    h.client.ended.a = {
+      ...held,
+      state: 'released',
+      reason: 'reclaimed: the kernel was restarted to free its GPU: idle'
+    };
+    socket.send({ type: 'snapshot', ...payload({ leases: [] }) });
+    await waitFor(() => h.model.endedLeaseOfKernel('k1') !== null);
+    expect(h.client.getLease).toHaveBeenCalledWith('a');
+    expect(h.model.endedLeaseOfKernel('k1')?.reason).toMatch(/restarted/);
+  });
+
   it('emits notices without changing the status', () => {
     h = harness();
     const notices: INotice[] = [];
