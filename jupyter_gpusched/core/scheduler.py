@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import AbstractSet, Iterable, Mapping, Sequence
 
-from . import fairness, idle, ladder
+from . import fairness, idle, ladder, overshare, victims
+from .overshare import OVER_SHARE  # noqa: F401 - where callers found it
 from .model import (
     EXCLUSIVE,
     HOLDING,
     LIVE,
-    SHARED,
     Capabilities,
     Decision,
     Device,
@@ -38,10 +38,9 @@ from .placement import (
     restore_short,
     schedulable,
     stray,
-    vacate,
 )
 from .placement import RESTORE_MARGIN
-from .units import format_bytes, format_duration, format_gpu_time
+from .units import format_bytes, format_duration
 
 
 class _Limits:
@@ -535,164 +534,10 @@ class _Pass:
         return "waiting for a GPU"
 
     # -- reclaiming ------------------------------------------------------------------------
-    def victims_for(
-        self, blocked: list[Lease], usage: fairness.Usage, limits: _Limits
-    ) -> dict[str, str]:
-        """Idle leases to take back so that waiting claims fit, with the reason for each."""
-        if self.cfg.policy == "static" or not blocked:
-            return {}
-        borrowed = fairness.borrowed(self.live(), usage)
-        # Idle leases past the contended threshold. In hybrid a lease within its user's quota
-        # yields only to that same user's waiting kernels (the quota protects a user from
-        # others, not one of their notebooks from another).
-        eligible: list[tuple[float, Lease, bool]] = []
-        # Idle leases not yet past their threshold (when they will be, the lease, anyone): a
-        # kernel said to run a cell is not taken while one of these will serve the claim soon.
-        upcoming: list[tuple[float, Lease, bool]] = []
-        running = self.running
-        waiting_users = {claim.user for claim in blocked}
-        for lease in self.live():
-            if not lease.holding or lease.busy or self.pinned(lease):
-                continue
-            idle_for = lease.idle_seconds(self.now)
-            anyone = True
-            if self.cfg.policy == "dynamic":
-                threshold = limits.of(lease).idle_after
-            elif lease.id in borrowed:
-                threshold = min(limits.of(lease).idle_after, self.cfg.contended_idle_timeout)
-            elif lease.user in waiting_users:
-                threshold = min(limits.of(lease).idle_after, self.cfg.contended_idle_timeout)
-                anyone = False
-            else:
-                continue  # within quota and nobody of its user waits: only the uncontended rules
-            if idle_for >= threshold:
-                eligible.append((idle_for, lease, anyone))
-            elif lease.last_active_at is not None:
-                self.wake(lease.last_active_at + threshold)
-                if lease.kernel_id not in running:
-                    upcoming.append((lease.last_active_at + threshold, lease, anyone))
-        # A kernel whose host says it runs a cell is not taken before an otherwise equal idle one:
-        # that word alone cannot keep a GPU (the host counts it only with evidence, and not for
-        # ever), but between two candidates of the same standing it decides. It does not lift a
-        # lease above the fair order: a borrowed lease of the heaviest user still goes first.
-        if self.recent:
-            # Borrowed leases first, of the user with the most recent usage per guaranteed GPU
-            # first; then, as without usage, the longest idle first.
-            def standing(lease: Lease) -> tuple:
-                return (-(usage.used_ratio(lease.user) if lease.id in borrowed else -1.0),)
-        else:
-            def standing(lease: Lease) -> tuple:
-                return ()
-
-        eligible.sort(key=lambda item: (*standing(item[1]), item[1].kernel_id in running, -item[0], item[1].id))
-        chosen: dict[str, str] = {}
-        # The host as it will be once the chosen victims are gone and the claims before this one
-        # hold their devices: two waiting claims must not count on the same freed GPU, and a claim
-        # that fits already (held back only by a reservation) needs no victim at all.
-        holding = {le.id: le for le in self.live() if le.holding}
-        # Occupancy of the planned host, kept current as victims are chosen and claims placed.
-        planned = self.occupancy(holding.values())
-
-        def fit(claim: Lease, gone: Iterable[str]):
-            trial = dict(planned)
-            for vid in gone:
-                vacate(trial, holding[vid], self.by_uuid)
-            return self.placement_for(claim, (), occ=trial)
-
-        # A step that keeps the kernel's state (a release of a lease holding no memory, a
-        # checkpoint within the host budget) is taken before any restart or shutdown that would
-        # serve the same claim: the victims are first sought among the gentle ones alone. The
-        # budget a gentle checkpoint takes is counted here so two of them cannot count on it.
-        gentle_room = [self.checkpoint_room()]
-
-        def gentle(lease: Lease) -> bool:
-            step, _ = ladder.choose_step(lease, self.cfg, self.caps, gentle_room[0])
-            return step is not None and not step.disruptive
-
-        def pick(claim: Lease, only_gentle: bool):
-            picked: list[str] = []
-            room = gentle_room[0]
-            for _, victim, anyone in eligible:
-                if victim.id in chosen or (not anyone and victim.user != claim.user):
-                    continue
-                if only_gentle:
-                    step, _ = ladder.choose_step(victim, self.cfg, self.caps, room)
-                    if step is None or step.disruptive:
-                        continue
-                    if step == Step.CHECKPOINT and room is not None:
-                        room -= victim.memory_held or 0
-                picked.append(victim.id)
-                placed = fit(claim, picked)
-                if placed is not None:
-                    if only_gentle:
-                        gentle_room[0] = room
-                    return picked, placed
-            return picked, None
-
-        for claim in blocked:
-            if not self.could_fit(claim):
-                continue
-            picked: list[str] = []
-            placed = fit(claim, ())
-            if placed is None:
-                if any(gentle(victim) for _, victim, _ in eligible):
-                    picked, placed = pick(claim, only_gentle=True)
-                    if placed is not None:
-                        self.gently_served.add(claim.id)
-                if placed is None:
-                    picked, placed = pick(claim, only_gentle=False)
-                if placed is None:
-                    continue
-                # Picking by idle time can take leases that free nothing this claim can use (a
-                # shared GPU that a busy lease still holds): drop those, least idle first.
-                for vid in reversed(picked[:-1]):
-                    trial = [v for v in picked if v != vid]
-                    found = fit(claim, trial)
-                    if found is not None:
-                        picked, placed = trial, found
-                said = [holding[vid] for vid in picked if holding[vid].kernel_id in running]
-                if said:
-                    bar = max(standing(lease) for lease in said)
-                    soon = self.idle_instead(
-                        claim, chosen, [e for e in eligible if standing(e[1]) <= bar],
-                        [u for u in upcoming if standing(u[1]) <= bar], fit,
-                    )
-                    if soon is not None:
-                        self.wake(soon)
-                        continue  # the idle kernel's GPU is taken once its time is up
-                for vid in picked:
-                    above = self.cfg.policy == "hybrid" and vid in borrowed
-                    share = " beyond its user's guaranteed share" if above else ""
-                    why = f"idle{share} while {claim.user} waits for a GPU"
-                    if self.recent and vid in borrowed:
-                        owner = holding[vid].user
-                        why += f" ({owner} used {format_gpu_time(usage.used(owner))} recently)"
-                    if holding[vid].kernel_id in running:
-                        why += (
-                            "; its server says it runs a cell, but no use of CPU or GPU backs that, "
-                            "and no idle kernel can serve the claim"
-                        )
-                    chosen[vid] = why
-                    vacate(planned, holding[vid], self.by_uuid)
-            occupy(planned, evolve(claim, state=LeaseState.ACTIVE, devices=placed[0]), self.by_uuid)
-        return chosen
-
-    def idle_instead(self, claim: Lease, chosen, eligible, upcoming, fit) -> float | None:
-        """When the idle leases (not said to run a cell) that ``claim`` may take will, between them,
-        make room for it: now, or once the last of those needed is past its threshold. None: they
-        never will, and a kernel said to run a cell is taken."""
-
-        def allowed(lease: Lease, anyone: bool) -> bool:
-            return lease.id not in chosen and (anyone or lease.user == claim.user) and lease.kernel_id not in self.running
-
-        now_ids = [le.id for _, le, anyone in eligible if allowed(le, anyone)]
-        later = sorted((at, le.id) for at, le, anyone in upcoming if allowed(le, anyone))
-        ids = list(now_ids)
-        for at, lease_id in later:
-            ids.append(lease_id)
-            if fit(claim, ids) is not None:
-                return at
-        return None
+    def victims_for(self, blocked: list[Lease], usage: fairness.Usage, limits: _Limits) -> dict[str, str]:
+        """Idle leases to take back so that waiting claims fit, with the reason for each
+        (core/victims.py)."""
+        return victims.victims_for(self, blocked, usage, limits)
 
     def uncontended(self, limits: _Limits) -> dict[str, str]:
         """Idle leases past their keep time (non-disruptive) or ``release_timeout`` (any step)."""
@@ -785,132 +630,9 @@ class _Pass:
                     reason,
                 )
 
-    # -- a shared lease over its memory share (core/ladder.py says the rule) -----------------
+    # -- a shared lease over its memory share (core/overshare.py) --------------------------
     def over_share(self, wanted: Mapping[str, str]) -> None:
-        for lease in self.live():
-            if lease.over_share_since is None and (lease.mode != SHARED or lease.memory is None):
-                continue
-            if lease.id in wanted:
-                continue  # an idle reclaim takes the GPU back anyway
-            if not lease.holding:
-                if lease.over_share_since is not None:
-                    self.set(evolve(lease, over_share_since=None))
-            elif ladder.over_share(lease):
-                self.respond_to_over_share(lease)
-            elif lease.over_share_since is not None:
-                self.back_within_share(lease)
-
-    def gpus_of(self, lease: Lease) -> str:
-        indices = [str(self.by_uuid[u].index) if u in self.by_uuid else u for u in lease.devices]
-        if len(indices) == 1:
-            return f"GPU {indices[0]}"
-        return f"GPUs {', '.join(indices[:-1])} and {indices[-1]}"
-
-    def harmed(self, lease: Lease) -> str | None:
-        """Who the over-share can hurt, in words (None: nobody)."""
-        mine = set(lease.devices)
-        live = self.live()
-        if any(o.id != lease.id and o.holding and not mine.isdisjoint(o.devices) for o in live):
-            return "another lease shares its GPU"
-        if any(o.state == LeaseState.PENDING and not mine.isdisjoint(self.usable(o)) for o in live):
-            return "a claim waits for its GPU"
-        return None
-
-    def respond_to_over_share(self, lease: Lease) -> None:
-        now, cfg = self.now, self.cfg
-        per_gpu = " per GPU" if len(lease.devices) > 1 else ""
-        gpus = self.gpus_of(lease)
-        head = (
-            f"{OVER_SHARE}: its processes hold more than the {format_bytes(lease.memory or 0)}{per_gpu} "
-            f"it claimed on {gpus}"
-        )
-        since = lease.over_share_since
-        if since is None:
-            reason = f"{head}; its framework caches are dropped if it stays over"
-            self.set(evolve(lease, over_share_since=now, reason=reason), "over_share", reason)
-            self.wake(now + ladder.OVER_SHARE_RECHECK)
-            return
-        step = lease.reclaim_step
-        if lease.state == LeaseState.RECLAIMING:
-            if step is None or not step.disruptive:
-                return  # a step under way (free-cache, or an idle reclaim's checkpoint) finishes first
-            if self.harmed(lease) is None:
-                reason = f"{head}; the {step} is off: nobody else uses {gpus} or waits for it any more"
-                self.set(
-                    evolve(lease, state=LeaseState.ACTIVE, reclaim_at=None, reclaim_step=None, reason=reason),
-                    "cancel",
-                    reason,
-                )
-            elif lease.reclaim_at is None or lease.reclaim_at <= now:
-                self.set(lease, "reclaim", lease.reason)
-            else:
-                self.wake(lease.reclaim_at)
-            return
-        if Step.FREE_CACHE not in lease.tried_steps:
-            if now < since + ladder.OVER_SHARE_RECHECK:
-                reason = f"{head}; its framework caches are dropped if it stays over"
-                if reason != lease.reason:
-                    self.set(evolve(lease, reason=reason))
-                self.wake(since + ladder.OVER_SHARE_RECHECK)
-                return
-            reason = f"{head}; dropping its framework caches"
-            self.set(
-                evolve(lease, state=LeaseState.RECLAIMING, reclaim_at=now, reclaim_step=Step.FREE_CACHE, reason=reason),
-                "reclaim",
-                reason,
-            )
-            return
-        harm = self.harmed(lease)
-        after = f"{head}; dropping its framework caches did not bring it within its share"
-        fallback = cfg.reclaim_fallback
-        verb = "restarted" if fallback == "restart" else "shut down"
-        grace = format_duration(cfg.grace_period)
-        if fallback == "none":
-            reason = f"{after}; reclaim_fallback is 'none', so the kernel keeps running"
-            if harm is not None:
-                reason += f" although {harm}"
-        elif harm is None:
-            reason = (
-                f"{after}; nobody else uses {gpus} or waits for it, so the kernel keeps running "
-                f"(it will be {verb} after a {grace} notice if someone does)"
-            )
-        else:
-            at = now + cfg.grace_period
-            reason = f"{after} and {harm}, so the kernel will be {verb} after a {grace} notice unless it frees GPU memory"
-            step = Step.RESTART if fallback == "restart" else Step.SHUTDOWN
-            self.set(
-                evolve(lease, state=LeaseState.RECLAIMING, reclaim_at=at, reclaim_step=step, reason=reason),
-                "notice" if at > now else "reclaim",
-                reason,
-            )
-            self.wake(at)
-            return
-        if reason != lease.reason:
-            # Told once per change: a pass that only marked the lease idle or active again
-            # (which rewrites the reason) does not tell it again.
-            told = self.input[lease.id].reason == reason
-            self.set(evolve(lease, reason=reason), None if told else "over_share", reason)
-
-    def back_within_share(self, lease: Lease) -> None:
-        step = lease.reclaim_step
-        if lease.state == LeaseState.RECLAIMING and step is not None and step.disruptive:
-            reason = f"back within its memory share: the {step} is off"
-            self.set(
-                evolve(
-                    lease, state=LeaseState.ACTIVE, reclaim_at=None, reclaim_step=None, over_share_since=None,
-                    reason=reason,
-                ),
-                "cancel",
-                reason,
-            )
-        elif lease.state == LeaseState.RECLAIMING:
-            self.set(evolve(lease, over_share_since=None))  # a step under way finishes
-        else:
-            self.set(evolve(lease, over_share_since=None, reason="back within its memory share"))
-
-
-#: How every reason about a lease over its memory share begins.
-OVER_SHARE = "over its memory share"
+        overshare.respond(self, wanted)
 
 
 def plan(
