@@ -165,3 +165,57 @@ async def test_gpu_status_and_acquire_show_a_few_readable_lines_and_stay_dicts(
         " lease.state, isinstance(status, dict))"
     )
     assert out["stdout"].strip() == "active True 1 active True", out
+
+
+async def test_a_wait_cancelled_from_the_sidebar_says_so_in_one_line(jp_fetch, gpu_kernelspec, start_kernel):
+    gpu_kernelspec("gpu")
+    k1 = await start_kernel("gpu")
+    assert (await k1.execute("x = 1"))["error"] is None  # holds the only GPU
+    k2 = await start_kernel("gpu")
+    waiting = asyncio.ensure_future(k2.execute("%gpu acquire", timeout=60))
+
+    async def pending():
+        code, leases = await api(jp_fetch, "leases", params={"kernel_id": k2.id})
+        return [le for le in leases if le["state"] == "pending"]
+
+    (claim,) = await _until(pending, what="kernel 2 to queue")
+    await asyncio.sleep(1)
+    # What the sidebar's cancel does: the user releases the pending lease.
+    assert (await api(jp_fetch, "leases", claim["id"], method="DELETE"))[0] == 204
+    out = await waiting
+    assert out["error"] is None, out  # the user cancelled it: not an error in the notebook
+    final = out["display"][-1]
+    assert final.startswith("Stopped waiting: this kernel's request for a GPU was cancelled by ")
+    assert final.endswith("from outside this notebook (the GPU sidebar or the command line). Run `%gpu acquire` to ask again.")
+    said = "\n".join(out["display"]) + out["stdout"] + out["stderr"]
+    assert claim["id"] not in said and "GPUSchedError" not in said and "no longer lists" not in said, said
+    # The next cell does not ask again by itself, and says nothing more about it.
+    out = await k2.execute("y = 2")
+    assert out["error"] is None and not out["display"] and not out["stdout"], out
+    assert not await pending()
+
+
+async def test_a_gpu_taken_back_while_idle_says_so(
+    jp_fetch, gpu_kernelspec, start_kernel, arbiter, use_clock, monkeypatch
+):
+    monkeypatch.setenv("JUPYTER_GPUSCHED_POLL", "60")  # the next cell, not the watcher, reads the change
+    clock = use_clock
+    gpu_kernelspec("gpu")
+    k1 = await start_kernel("gpu")
+    assert (await k1.execute("x = 1"))["error"] is None  # holds the only GPU, and no GPU memory
+    lease1 = await live_lease(jp_fetch, k1.id)
+    k2 = await start_kernel("gpu")
+    code, _ = await api(jp_fetch, "leases", method="POST", body={"kernel_id": k2.id})
+    assert code == 202
+    clock.advance(120)
+    await arbiter.tick()
+    await _until(_state(jp_fetch, lease1["id"], "released"), what="kernel 1's lease to be taken back")
+    lease2 = await live_lease(jp_fetch, k2.id)
+    assert (await api(jp_fetch, "leases", lease2["id"], method="DELETE"))[0] == 204  # free for k1 again
+    out = await k1.execute("z = 3", timeout=60)
+    said = "\n".join(out["display"]) + out["stdout"]
+    assert (
+        "GPU taken back while this kernel was idle: GPU 0: it held no GPU memory, so nothing was lost. "
+        "This kernel asks for a GPU again before its next cell runs." in said
+    ), said
+    assert "no longer lists" not in said

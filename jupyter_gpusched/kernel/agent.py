@@ -211,6 +211,19 @@ class Agent:
     def refresh(self) -> dict | None:
         """Read this kernel's lease from the server (``GET api/gpusched/leases?kernel_id=``)."""
         leases = self.client.leases(self.client.kernel_id)
+        known = self._lease
+        if (
+            known is not None
+            and known.get("state") in LIVE
+            and render.my_lease(leases, self.client.kernel_id) is None
+            and not any(le.get("id") == known.get("id") for le in leases)
+        ):
+            # A lease that ended is no longer listed: read it, so that the notice says why it
+            # ended (taken back while idle, released from the sidebar) instead of guessing.
+            try:
+                leases = [*leases, self.client.lease(str(known.get("id")))]
+            except GPUSchedError:
+                pass
         with self._lock:
             previous = self._lease
             lease = self._pick(leases, previous)

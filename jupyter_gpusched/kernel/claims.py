@@ -39,6 +39,22 @@ class WaitCancelled(KeyboardInterrupt):
         return [f"\x1b[0;31mWaitCancelled\x1b[0m: {self.message}"]
 
 
+class ClaimCancelled(GPUSchedError):
+    """A claim this kernel waited on was ended from outside it (the GPU sidebar, ``jupyter
+    gpusched release``, an admin): the wait line says so, and ``%gpu acquire`` says no more."""
+
+
+def cancelled_text(lease: Mapping[str, Any]) -> str:
+    """What to say when a claim this kernel waits on was released by someone else."""
+    reason = str(lease.get("reason") or "")
+    by = reason[len("released by ") :] if reason.startswith("released by ") else ""
+    who = f" by {by}" if by and not by.startswith("kernel ") else ""
+    return (
+        f"Stopped waiting: this kernel's request for a GPU was cancelled{who} from outside this "
+        "notebook (the GPU sidebar or the command line). Run `%gpu acquire` to ask again."
+    )
+
+
 class WaitDisplay:
     """The live "Waiting for a GPU: position 2 in the queue..." line, updated in place."""
 
@@ -185,7 +201,11 @@ class Claims:
                     chunk = 0.0  # learn the queue position at once, to show it while waiting
                 first = False
                 sent = time.monotonic()
-                _, lease = client.claim(count, memory=memory, mode=mode, wait=chunk, priority=priority)
+                try:
+                    _, lease = client.claim(count, memory=memory, mode=mode, wait=chunk, priority=priority)
+                except GPUSchedError as err:
+                    self.cancelled(err, pending_id, progress)
+                    raise
                 lease = dict(lease or {})
                 agent._set_lease(lease)
                 state = lease.get("state")
@@ -220,6 +240,27 @@ class Claims:
             raise WaitCancelled(message) from None
         finally:
             self.claiming = False
+
+    def cancelled(self, err: GPUSchedError, pending_id: str | None, progress: WaitDisplay | None) -> None:
+        """Where the claim waited on was released from outside (the server answers 409 for it),
+        raise :class:`ClaimCancelled` saying so in words; anything else is left to the caller."""
+        if err.status != 409 or not pending_id:
+            return
+        agent = self.agent
+        try:
+            lease = agent.client.lease(pending_id)
+        except GPUSchedError:
+            return
+        if lease.get("state") != LeaseState.RELEASED:
+            return
+        # Said here once; the watcher does not tell it again, and the next cell does not ask again.
+        agent._released_by_me.add(pending_id)
+        agent._user_released = True
+        agent._set_lease(dict(lease))
+        text = cancelled_text(lease)
+        if progress is not None:
+            progress.finish(text)
+        raise ClaimCancelled(text, 409, "cancelled") from None
 
     def withdraw(self, pending_id: str | None, resuming: bool) -> str:
         """Take back a claim the user stopped waiting for; say what became of it."""
@@ -298,6 +339,8 @@ class Claims:
             lease, granted, _waited = self.claim(
                 count, memory_bytes, mode, priority, seconds, resuming=resuming, show_wait=show_wait
             )
+        except ClaimCancelled:
+            raise
         except GPUSchedError as err:
             if err.status != 409:
                 raise

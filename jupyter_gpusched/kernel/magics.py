@@ -156,7 +156,12 @@ class GPUMagics(Magics):
             _with_unit(wait, "--wait", "duration", "--no-wait does not wait")
         if args.memory is not None:
             _with_unit(args.memory, "--memory", "size")
-        self.agent.acquire(args.count, memory=args.memory, mode=args.mode, wait=wait, priority=args.priority)
+        from .claims import ClaimCancelled
+
+        try:
+            self.agent.acquire(args.count, memory=args.memory, mode=args.mode, wait=wait, priority=args.priority)
+        except ClaimCancelled:
+            pass  # the wait line says it was cancelled, and how to ask again: not an error here
 
     def _release(self, args: argparse.Namespace) -> None:
         self.agent.release(free=args.free)

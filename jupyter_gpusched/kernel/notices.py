@@ -18,6 +18,10 @@ from . import render
 from .states import HOLDING, LIVE, LeaseState, ReclaimStep
 
 
+#: How the server's reason begins for a lease taken back while idle that held no GPU memory.
+IDLE_RELEASE = "released while idle"
+
+
 class NoticeKind(str, Enum):
     """What a notice is about (the names of the server's notice events where they match)."""
 
@@ -237,6 +241,13 @@ def notices(
         head = "GPU lost" if lost else "GPU lease ended"
         again = " This kernel asks for a GPU again before its next cell runs." if asks_again else ""
         rest = f"{render.gpu_label(prev)}: {why}.{again}"
+        if why.startswith(IDLE_RELEASE):
+            # The server's reason ends on what the kernel does next, which `again` says.
+            head = "GPU taken back while this kernel was idle"
+            rest = f"{render.gpu_label(prev)}: it held no GPU memory, so nothing was lost.{again}"
+        elif pstate == LeaseState.PENDING and why.startswith("released by "):
+            head = "GPU request cancelled"
+            rest = f"this kernel's request for {render.claim_label(prev)} was {why}, from outside this notebook."
         out.append(
             Notice(
                 NoticeKind.LOST if lost else NoticeKind.RELEASED,
