@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
             config = SchedConfig(checkpoint_host_memory=None if budget is None else int(budget * 10**9))
             options = ReplayOptions(config=config, checkpoint_gbps=bandwidth, restore_gbps=bandwidth)
             result = simulate(trace, args.policy, args.gpus, options)
+            if not result.passes:
+                print(f"measured nothing: {args.policy} replayed no pass at {bandwidth:g} GB/s", file=sys.stderr)
+                return 1
             capacity = find_capacity(trace, args.policy, options, known={args.gpus: good_enough(result)})
             rows.append(
                 {
@@ -86,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
             print(f"  {bandwidth:g} GB/s, {_budget_words(budget)}: done", file=sys.stderr)
+    if not rows:
+        print("measured nothing: no bandwidth (--bandwidths) or no budget (--budgets)", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps({"gpus": args.gpus, "policy": args.policy, "oracle_gpu_hours": oracle, "rows": rows}, indent=2))
         return 0

@@ -141,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'kernels':>8} {'devices':>8} {'ms per pass':>12} {'vs first':>10} {'repeats':>8} {'decisions':>10}")
     for kernels, devices, seconds, ratio, repeats, decisions in rows:
         print(f"{kernels:>8} {devices:>8} {seconds * 1000:>12.2f} {ratio:>9.1f}x {repeats:>8} {decisions:>10}")
+    # A pass that decides nothing times a scheduler with nothing to do: the host stopped being one.
+    if not rows or not any(decisions for *_, decisions in rows):
+        why = "no case was timed" if not rows else "no pass made a decision"
+        print(f"measured nothing: {why}", file=sys.stderr)
+        return 1
     return 0
 
 

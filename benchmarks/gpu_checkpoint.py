@@ -562,14 +562,26 @@ class Measurement:
                 row.pop("reason", None)
             self.save()
         backend.close()
-        return 0
+        return self.verdict()
 
     def _give_up(self, why: str) -> int:
         self.data["errors"].append(why)
         self.data["copy"] = {"status": NOT_RUN, "note": why}
         self.data["sizes"] = [{"gib": gib, "status": NOT_RUN, "reason": why} for gib in self.sizes]
         self.save()
-        return 0
+        return self.verdict()
+
+    def verdict(self) -> int:
+        """0 if anything was measured (the copy bandwidth, or one size), else 1 and why on stderr:
+        a measurement that measures nothing must not pass for one."""
+        measured = self.data["copy"].get("status") == PASSED or any(
+            row.get("status") == PASSED for row in self.data["sizes"]
+        )
+        if measured:
+            return 0
+        why = "; ".join(self.data["errors"]) or self.data["copy"].get("note") or "no size and no copy passed"
+        print(f"measured nothing: {why}", file=sys.stderr)
+        return 1
 
     def _copy(self, env: Mapping[str, str]) -> None:
         copy: dict[str, Any] = {"status": NOT_RUN}

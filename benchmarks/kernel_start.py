@@ -221,6 +221,10 @@ def main() -> int:
         print(f"load average (1 min) before/after: {report['load_average'][0]:.2f} / {report['load_average'][1]:.2f}")
         print_log_findings(server)
     server.cleanup()
+    nothing = [label for label, k in report["kinds"].items() if not k["starts"]]
+    if nothing:
+        print(f"measured nothing: no kernel of {', '.join(nothing)} started", file=sys.stderr)
+        return 1
     return 0
 
 

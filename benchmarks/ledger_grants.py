@@ -92,7 +92,7 @@ def measure(processes: int, devices: int, seconds: float, directory: str) -> dic
         "devices": devices,
         "seconds": seconds,
         "grants": grants,
-        "grants_per_s": grants / seconds,
+        "grants_per_s": grants / seconds if seconds else 0.0,
         "per_process": [r["grants"] for r in sorted(reports, key=lambda r: r["worker"])],
         "waits": sum(r["waits"] for r in reports),
         "cycle_p50_ms": 1000 * statistics.median(latencies) if latencies else None,
@@ -118,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         base = measure(1, devices, args.seconds, directory)
         shared = measure(args.processes, devices, args.seconds, directory)
     ratio = shared["grants_per_s"] / base["grants_per_s"] if base["grants_per_s"] else float("nan")
+    nothing = [f"no grant from {row['processes']} process(es)" for row in (base, shared) if not row["grants"]]
+    if nothing:
+        print(f"measured nothing: {'; '.join(nothing)}", file=sys.stderr)
+        return 1
 
     if args.json:
         print(json.dumps({"one_process": base, "shared": shared, "ratio": ratio}, indent=2))

@@ -169,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
                 if os.path.exists(stale):
                     os.remove(stale)
             runs.append(soak(path, args, retention, set(samples)))
+    nothing = [f"retention {'on' if run['retention'] else 'off'} took no sample" for run in runs if not run["points"]]
+    if not runs or nothing:
+        print(f"measured nothing: {'; '.join(nothing) or 'no run'}", file=sys.stderr)
+        return 1
 
     if args.json:
         print(json.dumps({"runs": [{**r, "ratios": ratios(r)} for r in runs], "window_cycles": window_cycles}, indent=2))

@@ -369,7 +369,11 @@ def main() -> int:
               f"load average (1 min) before/after: {report['load_average'][0]:.2f} / {report['load_average'][1]:.2f}")
         print_log_findings(server)
     server.cleanup()
-    return 1 if report["ledger"]["problems"] else 0
+    nothing = [what for what, n in (("no claim was granted", report["grants"]["granted"]),
+                                    ("no GET /api/status was answered", report["baseline"]["requests"])) if not n]
+    if nothing:
+        print(f"measured nothing: {'; '.join(nothing)}", file=sys.stderr)
+    return 1 if report["ledger"]["problems"] or nothing else 0
 
 
 if __name__ == "__main__":

@@ -82,12 +82,19 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(n) for n in args.gpus.split(",") if n.strip()]
 
     report: dict = {"trace": Path(trace.source).name, "hosts": {}, "capacity": {}}
+    if not sizes:
+        print("measured nothing: no host size given (--gpus)", file=sys.stderr)
+        return 1
     for gpus in sizes:
         results, seconds = {}, {}
         for policy in POLICIES:
             started = time.perf_counter()
             results[policy] = simulate(trace, policy, gpus)
             seconds[policy] = time.perf_counter() - started
+        idle = [policy for policy, r in results.items() if not r.passes]
+        if idle:
+            print(f"measured nothing: {', '.join(idle)} replayed no pass on {gpus} GPUs", file=sys.stderr)
+            return 1
         oracle = results["oracle"].gpu_hours_held
         report["hosts"][gpus] = {
             policy: {
@@ -132,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def scaling(sizes: list[int], policies: list[str], host: int, seed: int, as_json: bool, parallel: bool = False) -> int:
     """CPU seconds per replay against sessions, as ratios to the smallest size measured in this run."""
+    if not sizes or not policies:
+        print("measured nothing: no trace size (--sessions) or no policy (--policies)", file=sys.stderr)
+        return 1
     rows: list[dict] = []
     for sessions in sizes:
         started = time.perf_counter()
@@ -153,6 +163,9 @@ def scaling(sizes: list[int], policies: list[str], host: int, seed: int, as_json
             row["cpu_seconds"][policy] = round(time.process_time() - cpu, 3)
             row["seconds"][policy] = round(time.perf_counter() - started, 3)
             row["passes"][policy] = result.passes
+            if not result.passes:
+                print(f"measured nothing: {policy} replayed no pass of {sessions} sessions", file=sys.stderr)
+                return 1
             if policy == "oracle":
                 row["oracle_held_equals_busy"] = result.gpu_hours_held == busy_hours
         row["total_seconds"] = round(sum(row["seconds"].values()), 3)
