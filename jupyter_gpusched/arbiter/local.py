@@ -14,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
-import socket
 import time
 import uuid as uuidlib
 from dataclasses import dataclass, field, replace
@@ -29,16 +27,17 @@ from ..core import ladder as core_ladder
 from ..core import usage as core_usage
 from ..core.placement import STRAY_SLACK
 from ..devices.base import DeviceBackend, DeviceSnapshot, InventoryUnavailable
-from ..ledger import Ledger, LedgerError, LedgerWouldBlock, OwnerId, is_alive
+from ..ledger import Ledger, LedgerError, LedgerWouldBlock, OwnerId
 from ..reclaim.checkpoint import Checkpointer, Unavailable
 from ..reclaim import executor as reclaim_executor
-from . import enforce
-from .base import MAX_WAIT, Arbiter, ArbiterEvent, ClaimResult, KernelHost, gpus_label, notice
+from . import announce, enforce
+from .base import MAX_WAIT, Arbiter, ArbiterEvent, ClaimResult, KernelHost, notice
 from .base import BadRequest, Conflict, Forbidden, LedgerUnavailable, NoInventory, NotFound
 from .claims import ClaimRequest, write_claims
 from .claims import Host as ClaimHost
 from .observe import Observation, core_devices, device_changed, held_by_kernel, observe
 from .policy import AccessPolicy
+from .reap import Reaper
 from .reads import LocalReads
 
 log = logging.getLogger("jupyter_gpusched")
@@ -137,9 +136,8 @@ class LocalArbiter(LocalReads, Arbiter):
         self._tick_lock = asyncio.Lock()
         self._kernel_gaps: dict[str, tuple[float, ...]] = {}
         self._kernel_owners: dict[str, OwnerId] = {}
-        self._suspects: frozenset[str] = frozenset()
-        #: Leases kept although their host no longer knows the kernel: its process still runs.
-        self._kept_for_process: set[str] = set()
+        #: Which leases end because their kernel is gone (arbiter/reap.py).
+        self.reaper = Reaper(lambda: self.kernels, lambda: self.server_id)
         #: Leases written outside a planning pass (a reclaim step, a release) since the last plan
         #: was applied: a plan read before such a write must not put the older record back.
         self._written: dict[str, Lease] = {}
@@ -289,9 +287,9 @@ class LocalArbiter(LocalReads, Arbiter):
             leases = tx.leases()
             before = {lease.id: lease for lease in leases}
             if reap:
-                leases, released, suspects = self._reap(tx, leases, now, devices, notices)
+                leases, released, suspects = self.reaper.reap(tx, leases, now, devices, notices)
             else:
-                released, suspects = [], set(self._suspects)
+                released, suspects = [], set(self.reaper.suspects)
             leases = self._resume_running(tx, leases, activity, now)
             outcome = change(tx, leases, devices) if change is not None else None
             if outcome is not None:
@@ -317,71 +315,6 @@ class LocalArbiter(LocalReads, Arbiter):
         return _Planned(
             plan, before, notices, dict(drained), tuple(released), frozenset(suspects), outcome, records_after, now
         )
-
-    def _reap(self, tx, leases: list[Lease], now: float, devices, notices: list) -> tuple[list[Lease], list[Lease], set[str]]:
-        """Release leases whose kernels are gone and leases on lost GPUs."""
-        owners = tx.owners()
-        lost = {d.uuid: d for d in devices if d.health == core.Health.LOST}
-        out, released = [], []
-        suspects: set[str] = set()
-        for lease in leases:
-            owner = owners.get(lease.id)
-            gone: str | None = None
-            ours = self.kernels is not None and (owner is None or owner.server_id == self.server_id)
-            if ours and self.kernels.restarting(lease.kernel_id):
-                pass  # a deliberate restart keeps the lease; the new process takes it over
-            elif ours and self.kernels.alive(lease.kernel_id) is False:
-                # The host no longer knows the kernel. Where the lease's owner is the kernel's
-                # own process and it still runs (its GPU memory with it), the lease ends when
-                # that process does, not on the host's word alone.
-                if not self._kernel_process_runs(lease, owner):
-                    gone = "the kernel has shut down"
-            elif owner is not None and not is_alive(owner):
-                # A kernel of ours whose process just exited may be in a deliberate restart that
-                # this tick raced with: it is released only if still gone at the next tick.
-                if not ours or lease.id in self._suspects:
-                    gone = f"the kernel's process {owner.process.pid} is gone"
-                else:
-                    suspects.add(lease.id)
-            if gone is not None:
-                done = core.released(lease, now, f"released: {gone}")
-                tx.put(done)
-                released.append(done)
-                log.info("lease %s of kernel %s released: %s", lease.id, lease.kernel_id, gone)
-                notices.append(ArbiterEvent("lease", lease=done))
-                continue
-            on_lost = [u for u in lease.devices if u in lost]
-            if on_lost and lease.holding:
-                device = lost[on_lost[0]]
-                done = core.device_lost(lease, device.uuid, device.index, now)
-                tx.put(done)
-                log.warning("lease %s of kernel %s: GPU %s lost", lease.id, lease.kernel_id, device.uuid)
-                notices.append(
-                    {"kind": "lost", "lease_id": lease.id, "kernel_id": lease.kernel_id, "message": done.reason}
-                )
-                continue
-            out.append(lease)
-        return out, released, suspects
-
-    def _kernel_process_runs(self, lease: Lease, owner: Any) -> bool:
-        """Whether ``lease`` is owned by its kernel's own process (not by this server, which owns a
-        lease until the kernel's process is known) and that process still runs."""
-        if owner is None:
-            return False
-        process = owner.process
-        if process.pid == os.getpid() and process.hostname == socket.gethostname():
-            return False
-        if not is_alive(owner):
-            self._kept_for_process.discard(lease.id)
-            return False
-        if lease.id not in self._kept_for_process:
-            self._kept_for_process.add(lease.id)
-            log.warning(
-                "lease %s of kernel %s kept: the kernel host no longer knows the kernel, but its process %s "
-                "still runs; the lease ends when that process does",
-                lease.id, lease.kernel_id, process.pid,
-            )
-        return True
 
     def _resume_running(self, tx, leases: list[Lease], activity: Mapping[str, KernelActivity], now: float) -> list[Lease]:
         """A suspended kernel that runs code anyway (a cell the agent did not see, or one that a
@@ -430,12 +363,12 @@ class LocalArbiter(LocalReads, Arbiter):
         self.state.keys = plan.keys
         self.state.recent = plan.usage
         self.state.planned_at = planned.at
-        self._suspects = planned.suspects
+        self.reaper.suspects = planned.suspects
         for lease in planned.released:
             self._remember(lease)
         now = self.clock()
         for decision in plan.decisions:
-            self._tell_decision(decision, before.get(decision.lease.id), now, notices)
+            announce.tell(self, decision, before.get(decision.lease.id), now, notices)
         # A claim written in this pass's transaction is already pending when the core plans, so
         # the plan neither lists it as changed nor decides to queue it: tell viewers here.
         decided = {d.lease.id for d in plan.decisions}
@@ -446,7 +379,7 @@ class LocalArbiter(LocalReads, Arbiter):
             changed.append(lease.id)
             if lease.state == LeaseState.PENDING and lease.id not in decided:
                 position = plan.queue.index(lease.id) + 1 if lease.id in plan.queue else None
-                notices.append(self._queued(lease, position))
+                notices.append(announce.queued(lease, position))
         for lease_id in changed:
             lease = _later(plan.lease(lease_id), written)
             self.publish(ArbiterEvent("lease", lease=lease))
@@ -457,50 +390,6 @@ class LocalArbiter(LocalReads, Arbiter):
         self.reclaims.carry_out_due(leases)
         if self.metrics is not None:
             self.metrics.update(self.state.snapshot, leases, plan.queue)
-
-    def _tell_decision(self, decision: Any, old: Lease | None, now: float, notices: list) -> None:
-        lease = decision.lease
-        if decision.kind == "grant":
-            waited = now - (old.queued_at if old else lease.queued_at)
-            gpus = gpus_label(lease, self.state.snapshot)
-            log.info(
-                "lease %s of kernel %s (%s) %s %s after %.1fs in the queue (%s)",
-                lease.id, lease.kernel_id, lease.user, "restoring onto" if lease.home else "granted",
-                gpus, waited, decision.reason,
-            )
-            if self.metrics is not None:
-                self.metrics.waited(waited)
-            if lease.home and self.mine(lease):
-                self.reclaims.start_restore(lease)
-            else:
-                notices.append(notice("granted", lease, f"Granted {gpus}"))
-        elif decision.kind == "notice":
-            log.info(
-                "lease %s of kernel %s: reclaim announced for %s: %s",
-                lease.id, lease.kernel_id, lease.reclaim_at, decision.reason,
-            )
-            notices.append(notice("reclaim_warning", lease, decision.reason))
-        elif decision.kind == "cancel":
-            log.info("lease %s of kernel %s: %s", lease.id, lease.kernel_id, decision.reason)
-            notices.append(notice("reclaim_cancelled", lease, decision.reason))
-        elif decision.kind == "over_share":
-            log.info("lease %s of kernel %s (%s): %s", lease.id, lease.kernel_id, lease.user, decision.reason)
-            notices.append(notice("over_share", lease, decision.reason))
-        elif decision.kind == "idle":
-            log.debug("lease %s of kernel %s: %s", lease.id, lease.kernel_id, decision.reason)
-        elif decision.kind == "queue" and (old is None or old.state != LeaseState.PENDING):
-            notices.append(self._queued(lease, decision.position))
-
-    @staticmethod
-    def _queued(lease: Lease, position: int | None) -> dict:
-        item = notice("queued", lease, lease.reason)
-        if position is not None:
-            item["position"] = position
-        log.info(
-            "lease %s of kernel %s (%s) queued at position %s: %s",
-            lease.id, lease.kernel_id, lease.user, position, lease.reason,
-        )
-        return item
 
     async def _prune_history(self) -> None:
         """At most every ``PRUNE_EVERY`` seconds, released leases past ``history_days`` go, in batches."""
