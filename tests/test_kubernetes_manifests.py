@@ -1,7 +1,12 @@
 """deploy/kubernetes/: what Kubernetes, the Zero to JupyterHub chart, JupyterHub and the broker accept.
 
 - Every manifest validates against the Kubernetes API's schemas (kubernetes-validate ships them,
-  so no cluster and no network are needed), strictly: an unknown field fails.
+  so no cluster and no network are needed), strictly: an unknown field fails. Both GPU modes'
+  objects (the device plugin's, and DRA's in dra/, ResourceClaims included) against the
+  ``resource.k8s.io/v1`` era, 1.34 to 1.36; the device-plugin mode's also against 1.30.
+- Device-plugin mode: the broker requests all of its node pool's ``nvidia.com/gpu``. DRA mode:
+  the broker's own admin-access claim, the node claim the hub creates (the example is what the
+  code makes), the hub's RBAC (get, list, create ResourceClaims: nothing that deletes).
 - The values file, merged over the chart's default values as Helm merges (maps key by key,
   everything else replaced), validates against the chart's values schema (tests/data/z2jh/).
 - The DaemonSet's command line and config file are ones ``jupyter gpusched broker`` takes, and
@@ -26,14 +31,22 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from jupyter_gpusched import nodeclaims
+
 from conftest import ROOT
 
 DEPLOY = ROOT / "deploy" / "kubernetes"
 CHART = ROOT / "tests" / "data" / "z2jh"
 VALUES = DEPLOY / "z2jh-values.yaml"
+DRA = DEPLOY / "dra"
+DRA_VALUES = DRA / "z2jh-values-dra.yaml"
+#: The device-plugin mode's manifests, and the DRA mode's (which replace its DaemonSet).
 MANIFESTS = sorted(p for p in DEPLOY.glob("*.yaml") if p != VALUES)
-#: The oldest Kubernetes release the chart's 4.x line supports that we check, and a current one.
-K8S_VERSIONS = ("1.30.0", "1.36.0")
+DRA_MANIFESTS = sorted(p for p in DRA.glob("*.yaml") if p != DRA_VALUES)
+#: Kubernetes releases with resource.k8s.io/v1 (Dynamic Resource Allocation, GA in 1.34) that we
+#: check every manifest against; the oldest the chart's 4.x line supports, for the device plugin's.
+DRA_VERSIONS = ("1.34.0", "1.35.0", "1.36.0")
+K8S_VERSIONS = ("1.30.0", *DRA_VERSIONS)
 TOKEN = "0123456789abcdef" * 4
 NODE = "gpu-node-1"
 
@@ -42,9 +55,9 @@ def documents(path: Path) -> list[dict]:
     return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
 
 
-def resource(kind: str, name: str | None = None) -> dict:
+def resource(kind: str, name: str | None = None, manifests: list[Path] = MANIFESTS) -> dict:
     found = [
-        doc for path in MANIFESTS for doc in documents(path)
+        doc for path in manifests for doc in documents(path)
         if doc["kind"] == kind and (name is None or doc["metadata"]["name"] == name)
     ]
     assert len(found) == 1, f"expected one {kind} {name or ''} in deploy/kubernetes/, found {len(found)}"
@@ -55,9 +68,13 @@ def daemonset() -> dict:
     return resource("DaemonSet", "gpusched-broker")
 
 
-def broker_container() -> dict:
-    (container,) = daemonset()["spec"]["template"]["spec"]["containers"]
+def broker_container(ds: dict | None = None) -> dict:
+    (container,) = (ds or daemonset())["spec"]["template"]["spec"]["containers"]
     return container
+
+
+def dra_daemonset() -> dict:
+    return resource("DaemonSet", "gpusched-broker", DRA_MANIFESTS)
 
 
 def env_of(container: dict) -> dict[str, dict]:
@@ -79,9 +96,12 @@ def chart_schema() -> dict:
     return yaml.safe_load((CHART / "values.schema.yaml").read_text())
 
 
-def merged_values(**extra) -> dict:
-    chart = yaml.safe_load((CHART / "values.yaml").read_text())
-    return helm_merge(helm_merge(chart, yaml.safe_load(VALUES.read_text())), extra)
+def merged_values(dra: bool = False, **extra) -> dict:
+    """The chart's values, ours over them (and DRA's over those, as the docs' helm command gives them)."""
+    merged = helm_merge(yaml.safe_load((CHART / "values.yaml").read_text()), yaml.safe_load(VALUES.read_text()))
+    if dra:
+        merged = helm_merge(merged, yaml.safe_load(DRA_VALUES.read_text()))
+    return helm_merge(merged, extra)
 
 
 def schema_errors(values: dict) -> list[str]:
@@ -89,22 +109,30 @@ def schema_errors(values: dict) -> list[str]:
     return [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(values)]
 
 
-def profile(slug: str) -> dict:
-    (found,) = [p for p in yaml.safe_load(VALUES.read_text())["singleuser"]["profileList"] if p["slug"] == slug]
+def profile(slug: str, values: Path = VALUES) -> dict:
+    (found,) = [p for p in yaml.safe_load(values.read_text())["singleuser"]["profileList"] if p["slug"] == slug]
     return found
 
 
 # -- the manifests against the Kubernetes API ---------------------------------------------------
-def test_deploy_holds_the_broker_its_rbac_its_secret_and_the_values():
+def test_deploy_holds_both_modes_beside_each_other():
     names = {p.name for p in DEPLOY.iterdir()}
-    assert {"broker-daemonset.yaml", "broker-rbac.yaml", "broker-secret.example.yaml", "z2jh-values.yaml",
-            "README.md"} <= names
+    assert {"broker-config.yaml", "broker-daemonset.yaml", "broker-rbac.yaml", "broker-secret.example.yaml",
+            "z2jh-values.yaml", "README.md", "dra"} <= names
     kinds = sorted(doc["kind"] for path in MANIFESTS for doc in documents(path))
     assert kinds == sorted(["ConfigMap", "DaemonSet", "Role", "RoleBinding", "Secret", "Service", "ServiceAccount"])
+    assert {p.name for p in DRA.iterdir()} == {
+        "broker-daemonset.yaml", "hub-rbac.yaml", "node-claim.example.yaml", "z2jh-values-dra.yaml"
+    }
+    dra_kinds = sorted(doc["kind"] for path in DRA_MANIFESTS for doc in documents(path))
+    assert dra_kinds == sorted(["DaemonSet", "ResourceClaim", "ResourceClaimTemplate", "Role", "RoleBinding"])
 
 
-@pytest.mark.parametrize("version", K8S_VERSIONS)
-@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path, version",
+    [(p, v) for p in MANIFESTS for v in K8S_VERSIONS] + [(p, v) for p in DRA_MANIFESTS for v in DRA_VERSIONS],
+    ids=lambda x: str(x.relative_to(DEPLOY)) if isinstance(x, Path) else x,
+)
 def test_every_manifest_validates_against_the_kubernetes_api(path, version):
     docs = documents(path)
     assert docs, f"{path.name} holds no resource"
@@ -129,15 +157,25 @@ def test_a_broken_daemonset_fails_validation(break_it):
         kubernetes_validate.validate(broken, K8S_VERSIONS[-1], strict=True)
 
 
-def test_the_daemonset_sees_every_gpu_of_its_node_without_taking_one():
+def test_in_device_plugin_mode_the_broker_requests_all_of_its_node_pools_gpus():
+    """The kubelet counts the node's GPUs as taken (by the broker, which lends them to the GPU
+    pods), so no other pod gets them: one value per node pool, the request and the node label
+    GPU feature discovery sets agreeing."""
     spec = daemonset()["spec"]["template"]["spec"]
     container = broker_container()
     env = env_of(container)
     assert spec["hostPID"] is True
-    for section in ("limits", "requests"):
-        assert not any("gpu" in key for key in container["resources"].get(section, {})), section
-    assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
+    count = container["resources"]["limits"]["nvidia.com/gpu"]
+    assert int(count) >= 1
+    assert spec["nodeSelector"]["nvidia.com/gpu.count"] == count
+    assert "nvidia.com/gpu" not in container["resources"].get("requests", {})  # an extended resource: limits only
+    # The device plugin names the broker's GPUs; an env of its own would fight it.
+    assert "NVIDIA_VISIBLE_DEVICES" not in env
     assert "utility" in env["NVIDIA_DRIVER_CAPABILITIES"]["value"].split(",")  # NVML
+    # The GPU pods take none: they see the node's GPUs through the runtime's environment variable.
+    gpu_env = profile("gpu")["kubespawner_override"]["environment"]
+    assert gpu_env["NVIDIA_VISIBLE_DEVICES"] == "all"
+    assert "extra_resource_limits" not in profile("gpu")["kubespawner_override"]
     assert spec["runtimeClassName"] == "nvidia"
     (port,) = container["ports"]
     assert port["containerPort"] == port["hostPort"] == 8765
@@ -145,6 +183,102 @@ def test_the_daemonset_sees_every_gpu_of_its_node_without_taking_one():
     volume = next(v for v in spec["volumes"] if v["name"] == "ledger")
     assert volume["hostPath"]["path"] == "/var/lib/jupyter-gpusched" == ledger["mountPath"]
     assert "--GPUBroker.ledger_path=/var/lib/jupyter-gpusched/gpusched.sqlite" in container["args"]
+
+
+# -- DRA mode ---------------------------------------------------------------------------------------
+def _without_gpu_parts(ds: dict) -> dict:
+    ds = copy.deepcopy(ds)
+    spec = ds["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    spec.pop("runtimeClassName", None)
+    spec.pop("resourceClaims", None)
+    spec["nodeSelector"].pop("nvidia.com/gpu.count", None)
+    container["resources"]["limits"].pop("nvidia.com/gpu", None)
+    container["resources"].pop("claims", None)
+    container["env"] = [e for e in container["env"] if not e["name"].startswith("NVIDIA_")]
+    return ds
+
+
+def test_the_dra_broker_sees_its_nodes_gpus_through_an_admin_access_claim():
+    dra = dra_daemonset()
+    # The same broker as the device plugin's, but for how it gets the node's GPUs.
+    assert _without_gpu_parts(dra) == _without_gpu_parts(daemonset())
+    spec, container = dra["spec"]["template"]["spec"], broker_container(dra)
+    assert "runtimeClassName" not in spec
+    assert not any(e["name"].startswith("NVIDIA_") for e in container["env"])  # no environment-variable GPUs
+    assert not any("nvidia.com/gpu" in container["resources"].get(k, {}) for k in ("limits", "requests"))
+    (pod_claim,) = spec["resourceClaims"]
+    assert container["resources"]["claims"] == [{"name": pod_claim["name"]}]
+    template = resource("ResourceClaimTemplate", pod_claim["resourceClaimTemplateName"], DRA_MANIFESTS)
+    (request,) = template["spec"]["spec"]["devices"]["requests"]
+    # Every GPU of its node, for watching them: admin access takes nothing from the node's claim.
+    assert request["exactly"] == {"deviceClassName": nodeclaims.DEFAULT_DEVICE_CLASS, "allocationMode": "All",
+                                  "adminAccess": True}
+    hub_env = yaml.safe_load(DRA_VALUES.read_text())["hub"]["extraEnv"]
+    assert hub_env[nodeclaims.ENV_DEVICE_CLASS] == request["exactly"]["deviceClassName"]
+
+
+def test_the_node_claim_example_is_the_one_the_hub_creates():
+    example = resource("ResourceClaim", manifests=DRA_MANIFESTS)
+    node = example["metadata"]["annotations"][nodeclaims.NODE_ANNOTATION]
+    assert example == nodeclaims.node_claim(node, nodeclaims.DEFAULT_DEVICE_CLASS)
+    (request,) = example["spec"]["devices"]["requests"]
+    assert request["exactly"]["allocationMode"] == "All"
+
+
+@pytest.mark.parametrize("version", DRA_VERSIONS)
+@pytest.mark.parametrize("node", ["gpu-node-1", "ip-10-0-3-17.eu-west-1.compute.internal", "n" * 253, "GPU_Node"],
+                         ids=["plain", "dotted", "longest", "not-a-dns-name"])
+def test_every_node_claim_the_hub_makes_validates(node, version):
+    claim = nodeclaims.node_claim(node, "gpu.example.com")
+    assert kubernetes_validate.validate(claim, version, strict=True) == version.rsplit(".", 1)[0]
+    assert claim["metadata"]["annotations"][nodeclaims.NODE_ANNOTATION] == node
+    broken = copy.deepcopy(claim)
+    broken["spec"]["devices"]["requests"][0]["exactly"]["allocationmode"] = "All"  # misspelt
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, version, strict=True)
+
+
+def test_node_claim_names_are_object_names_and_distinct():
+    names = {node: nodeclaims.claim_name(node) for node in ("gpu-1", "gpu-2", "n" * 253, "m" * 253, "GPU_Node")}
+    assert names["gpu-1"] == "gpusched-gpus-gpu-1"
+    assert len(set(names.values())) == len(names)
+    assert all(len(n) <= 253 and re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", n) for n in names.values())
+
+
+def test_the_hub_may_get_list_and_create_claims_and_nothing_else():
+    binding = resource("RoleBinding", "gpusched-hub-claims", DRA_MANIFESTS)
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "hub"}]  # the chart's hub
+    role = resource("Role", binding["roleRef"]["name"], DRA_MANIFESTS)
+    assert role["rules"] == [
+        {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"], "verbs": ["get", "list", "create"]}
+    ]
+    # The keeper calls exactly those: read, list, create. Nothing deletes, replaces or patches a claim.
+    source = (ROOT / "jupyter_gpusched" / "nodeclaims.py").read_text()
+    assert set(re.findall(r"\.(\w+)_namespaced_resource_claim\(", source)) == {"read", "list", "create"}
+    # The brokers' Role is unchanged by DRA: read pods only.
+    assert resource("Role", "gpusched-broker")["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    ]
+
+
+def test_the_dra_values_merged_over_the_charts_validate_and_name_kubespawner_settings():
+    from kubespawner import KubeSpawner
+
+    assert schema_errors(merged_values(dra=True)) == []
+    traits = set(KubeSpawner.class_trait_names(config=True))
+    gpu = profile("gpu", DRA_VALUES)["kubespawner_override"]
+    assert set(gpu) <= traits
+    # Its GPUs come from the claim: no environment variable, no runtime class, no nvidia.com/gpu.
+    assert "NVIDIA_VISIBLE_DEVICES" not in gpu["environment"]
+    assert not {"extra_pod_config", "extra_resource_limits", "extra_resource_guarantees"} & set(gpu)
+    # Everything else of the GPU profile is the device-plugin mode's.
+    plain = copy.deepcopy(profile("gpu")["kubespawner_override"])
+    for key in ("NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES"):
+        plain["environment"].pop(key)
+    plain.pop("extra_pod_config")
+    assert gpu == plain
+    assert profile("cpu", DRA_VALUES) == profile("cpu")
 
 
 def test_the_pieces_name_each_other():
@@ -410,7 +544,7 @@ async def main(config, db):
         await spawner.load_user_options()
         pod = await spawner.get_pod_manifest()
         pods[slug] = {"pod": ApiClient().sanitize_for_serialization(pod), "is_gpu_pod": kubernetes.is_gpu_pod(pod),
-                      "hook": spawner.modify_pod_hook is kubernetes.prefer_gpu_node,
+                      "hook": spawner.modify_pod_hook is hook,
                       "server_token_scopes": list(spawner.server_token_scopes)}
     print(json.dumps({
         "spawner_class": f"{hub.spawner_class.__module__}.{hub.spawner_class.__name__}",
@@ -429,8 +563,17 @@ asyncio.run(main(sys.argv[1], sys.argv[2]))
 @pytest.fixture(scope="module")
 def hub_probe(tmp_path_factory):
     """A real JupyterHub initialized with the chart's way of loading our values; what it made."""
-    tmp = tmp_path_factory.mktemp("z2jh")
-    (tmp / "values.yaml").write_text(yaml.safe_dump(merged_values()))
+    return _probe(tmp_path_factory.mktemp("z2jh"), merged_values())
+
+
+@pytest.fixture(scope="module")
+def dra_probe(tmp_path_factory):
+    """The same, with the DRA mode's values over ours."""
+    return _probe(tmp_path_factory.mktemp("z2jh-dra"), merged_values(dra=True))
+
+
+def _probe(tmp: Path, values: dict) -> dict:
+    (tmp / "values.yaml").write_text(yaml.safe_dump(values))
     (tmp / "jupyterhub_config.py").write_text(Z2JH_CONFIG)
     (tmp / "probe.py").write_text(PROBE)
     (tmp / "kubeconfig").write_text(KUBECONFIG)
@@ -509,11 +652,31 @@ def test_the_gpu_profile_pod_joins_its_nodes_broker(hub_probe):
     assert "runtimeClassName" not in cpu_spec
 
 
+@pytest.mark.hub
+def test_the_dra_values_load_in_a_real_jupyterhub_and_make_pods_kubernetes_accepts(dra_probe):
+    """The hook itself (naming the chosen node's claim) is tested with brokers in test_kubernetes_hook.py."""
+    assert dra_probe["hook"] == "jupyter_gpusched.kubernetes.claim_gpu_node"
+    assert dra_probe["token_owner"] == "gpusched"
+    gpu = dra_probe["pods"]["gpu"]
+    assert gpu["is_gpu_pod"] and gpu["hook"] and not dra_probe["pods"]["cpu"]["is_gpu_pod"]
+    spec = gpu["pod"]["spec"]
+    (notebook,) = [c for c in spec["containers"] if c["name"] == "notebook"]
+    env = {item["name"] for item in notebook["env"]}
+    assert "JUPYTER_GPUSCHED_BROKER_URL" in env and "NVIDIA_VISIBLE_DEVICES" not in env
+    assert "runtimeClassName" not in spec
+    resources = notebook.get("resources") or {}
+    assert not any("nvidia.com/gpu" in (resources.get(k) or {}) for k in ("limits", "requests"))
+    for version in DRA_VERSIONS:
+        for slug in ("cpu", "gpu"):
+            kubernetes_validate.validate(dra_probe["pods"][slug]["pod"], version, strict=True)
+
+
 # -- the docs point at what exists ---------------------------------------------------------------
 def test_the_docs_name_files_that_exist():
     text = (ROOT / "docs" / "kubernetes.md").read_text() + (DEPLOY / "README.md").read_text()
-    named = set(re.findall(r"deploy/kubernetes/[\w.-]+\.(?:yaml|md)", text))
-    assert {f"deploy/kubernetes/{p.name}" for p in MANIFESTS} | {"deploy/kubernetes/z2jh-values.yaml"} <= named
+    named = set(re.findall(r"deploy/kubernetes/(?:dra/)?[\w.-]+\.(?:yaml|md)", text))
+    every = [*MANIFESTS, *DRA_MANIFESTS, VALUES, DRA_VALUES]
+    assert {f"deploy/kubernetes/{p.relative_to(DEPLOY)}" for p in every} <= named
     for path in named:
         assert (ROOT / path).exists(), path
     readme = (ROOT / "README.md").read_text()
