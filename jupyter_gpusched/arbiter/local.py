@@ -17,7 +17,7 @@ import logging
 import time
 import uuid as uuidlib
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from .. import core
 from ..api.input import Claim
@@ -311,7 +311,7 @@ class LocalArbiter(LocalReads, Arbiter):
                 written = book.advance(plan.leases, devices, now, half_life)
                 tx.write_usage(written, book.forget(now, half_life))
                 records_after = book.records
-            self._own_new_kernels(tx, plan.leases)
+            self.reaper.adopt(tx, plan.leases)
         return _Planned(
             plan, before, notices, dict(drained), tuple(released), frozenset(suspects), outcome, records_after, now
         )
@@ -331,25 +331,6 @@ class LocalArbiter(LocalReads, Arbiter):
                 log.info("lease %s of kernel %s: the kernel runs while suspended; restoring", lease.id, lease.kernel_id)
             out.append(lease)
         return out
-
-    def _own_new_kernels(self, tx, leases: Iterable[Lease]) -> None:
-        """Let the kernel's own process own its lease once it runs (it outlives this server)."""
-        if self.kernels is None:
-            return
-        owners = tx.owners()
-        for lease in leases:
-            owner = owners.get(lease.id)
-            if owner is None or owner.server_id != self.server_id:
-                continue
-            pid = self.kernels.kernel_pid(lease.kernel_id)
-            if pid is None or owner.process.pid == pid:
-                continue
-            try:
-                process = OwnerId.of_pid(pid)
-            except Exception:  # noqa: BLE001 - the kernel may be exiting right now
-                continue
-            tx.set_owner(lease.id, lease.kernel_id, self.server_id, process)
-            self.kernels.adopted(lease.kernel_id)
 
     async def _apply(self, planned: _Planned) -> None:
         """On the event loop: take the plan as the state, tell viewers, wake claims, reclaim."""
@@ -398,17 +379,8 @@ class LocalArbiter(LocalReads, Arbiter):
             return
         self._pruned_at = now
         older_than = now - self.history_days * 86400.0
-
-        def prune() -> int:
-            total = 0
-            while True:
-                done = self.ledger.prune(older_than, PRUNE_BATCH)
-                total += done
-                if done < PRUNE_BATCH:
-                    return total
-
         try:
-            total = await asyncio.to_thread(prune)
+            total = await asyncio.to_thread(self.ledger.prune_all, older_than, PRUNE_BATCH)
         except LedgerError as exc:
             log.warning("could not prune the ledger's history this time: %s", exc)
             return
@@ -620,7 +592,7 @@ class LocalArbiter(LocalReads, Arbiter):
         held = await self.held_now(lease)
         if held and memory_held == "keep":
             log.info("lease %s of kernel %s kept at release: its processes hold GPU memory", lease.id, lease.kernel_id)
-            return self._release_answer(False, lease, held, who)
+            return announce.release_answer(False, lease, held, self.render_lease(lease, who))
         done = await self.update(lease, lambda cur, now: core.released(cur, now, why))
         if done is not None:
             log.info("lease %s of kernel %s %s", lease.id, lease.kernel_id, why)
@@ -634,7 +606,8 @@ class LocalArbiter(LocalReads, Arbiter):
             "lease %s of kernel %s released while its processes hold %s of GPU memory; it counts as taken",
             lease.id, lease.kernel_id, core.format_bytes(sum(p["memory_used"] for p in held)),
         )
-        return self._release_answer(True, done or self._find(lease_id), held, who)
+        lease = done or self._find(lease_id)
+        return announce.release_answer(True, lease, held, self.render_lease(lease, who))
 
     async def held_now(self, lease: Lease) -> list[dict]:
         """What ``lease``'s kernel holds on its GPUs now, read afresh from the GPUs' process
@@ -657,37 +630,6 @@ class LocalArbiter(LocalReads, Arbiter):
         for item in found:
             per_gpu[item["device"]] = per_gpu.get(item["device"], 0) + item["memory_used"]
         return [item for item in found if per_gpu[item["device"]] > STRAY_SLACK]
-
-    def _release_answer(self, released: bool, lease: Lease, held: list[dict], who: Principal) -> dict:
-        """The ``DELETE`` answer for a lease whose kernel holds GPU memory (``held``)."""
-        total = sum(p["memory_used"] for p in held)
-        where = ", ".join(
-            f"pid {p['pid']} holds {core.format_bytes(p['memory_used'])} on GPU {p['index']}" for p in held
-        )
-        gpus = ", ".join(dict.fromkeys(f"GPU {p['index']}" for p in held))
-        if released:
-            message = (
-                f"Released lease {lease.id}, but kernel {lease.kernel_id}'s processes still hold "
-                f"{core.format_bytes(total)} of GPU memory ({where}). That memory counts as taken on {gpus} "
-                "until they free it or the kernel ends: no claim is placed there that does not fit beside it."
-            )
-        else:
-            message = (
-                f"Lease {lease.id} is kept: kernel {lease.kernel_id}'s processes hold {core.format_bytes(total)} "
-                f"of GPU memory ({where}), which a release would leave behind on {gpus}. Free that memory and "
-                "release again, or release with memory_held=release to leave it behind (it then counts as "
-                f"taken on {gpus} until it is freed)."
-            )
-        return {
-            "released": released,
-            "lease": self.render_lease(lease, who),
-            "memory_held": total,
-            "processes": [
-                {"pid": p["pid"], "device": p["device"], "device_index": p["index"], "memory_used": p["memory_used"]}
-                for p in held
-            ],
-            "message": message,
-        }
 
     async def keep(self, who: Principal, lease_id: str, seconds: float) -> dict:
         lease = self._own(who, lease_id)

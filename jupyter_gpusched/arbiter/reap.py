@@ -11,11 +11,11 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from .. import core
 from ..core import Lease
-from ..ledger import is_alive
+from ..ledger import OwnerId, is_alive
 from .base import ArbiterEvent, KernelHost
 
 log = logging.getLogger("jupyter_gpusched")
@@ -96,3 +96,23 @@ class Reaper:
                 lease.id, lease.kernel_id, process.pid,
             )
         return True
+
+    def adopt(self, tx, leases: Iterable[Lease]) -> None:
+        """Let the kernel's own process own its lease once it runs (it outlives this server)."""
+        kernels = self.kernels()
+        if kernels is None:
+            return
+        owners = tx.owners()
+        for lease in leases:
+            owner = owners.get(lease.id)
+            if owner is None or owner.server_id != self.server_id():
+                continue
+            pid = kernels.kernel_pid(lease.kernel_id)
+            if pid is None or owner.process.pid == pid:
+                continue
+            try:
+                process = OwnerId.of_pid(pid)
+            except Exception:  # noqa: BLE001 - the kernel may be exiting right now
+                continue
+            tx.set_owner(lease.id, lease.kernel_id, self.server_id(), process)
+            kernels.adopted(lease.kernel_id)

@@ -375,6 +375,16 @@ class Ledger:
             log.info("GPU ledger %s: pruned %d leases released before %.0f", self.path, pruned, older_than)
         return pruned
 
+    def prune_all(self, older_than: float, batch: int = 500) -> int:
+        """:meth:`prune` again and again, one short transaction each, until fewer than ``batch``
+        go; return how many went in all (it blocks: call it off the event loop)."""
+        total = 0
+        while True:
+            done = self.prune(older_than, batch)
+            total += done
+            if done < batch:
+                return total
+
     def check(self, devices: Sequence[Device] | None = None, *, history: bool = True) -> list[str]:
         """Integrity problems, one sentence each; an empty list means the ledger is sound.
 
