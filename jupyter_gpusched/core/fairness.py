@@ -293,7 +293,7 @@ def explain(
         else:
             standing = "within quota"
         parts = [f"{_ordinal(i + 1)} in line: {standing}"]
-        if tracked and users != 1:  # usage orders users; with one user it decides nothing
+        if tracked:
             used = format_gpu_time(recent.get(f"user:{lease.user}", 0.0))
             parts.append(f"{lease.user} used {used} recently (half-life {half_life_text(cfg.usage_half_life)})")
         reasons: dict[str, int] = {}
