@@ -137,14 +137,20 @@ def test_the_published_grammar_refuses_strings_without_a_unit():
 
     from jupyter_gpusched.api.openapi import openapi_document
 
-    schemas = openapi_document()["components"]["schemas"]
-    memory = next(k["pattern"] for k in schemas["Claim"]["properties"]["memory"]["anyOf"] if k.get("pattern"))
-    from jupyter_gpusched.api.openapi import _KEEP
+    doc = openapi_document()
 
-    seconds = next(k["pattern"] for k in _KEEP["properties"]["seconds"]["anyOf"] if k.get("pattern"))
+    def body(path: str) -> dict:
+        schema = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        if "$ref" in schema:
+            schema = doc["components"]["schemas"][schema["$ref"].rsplit("/", 1)[1]]
+        return schema["properties"]
+
+    claim, keep = body("/api/gpusched/leases"), body("/api/gpusched/leases/{lease_id}/keep")
+    memory = next(k["pattern"] for k in claim["memory"]["anyOf"] if k.get("pattern"))
+    seconds = next(k["pattern"] for k in keep["seconds"]["anyOf"] if k.get("pattern"))
     assert not re.search(memory, "16") and re.search(memory, "16GiB") and re.search(memory, "")
     assert not re.search(seconds, "30") and re.search(seconds, "30m") and re.search(seconds, "0")
-    assert "a string without a unit such as '16' is refused" in schemas["Claim"]["properties"]["memory"]["description"]
+    assert "a string without a unit such as '16' is refused" in claim["memory"]["description"]
 
 
 # -- what a notebook shows: the magics and the Python API in a real kernel --------------------------
