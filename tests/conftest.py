@@ -329,7 +329,44 @@ class ServerProcess:
 
 
 
+#: The one-minute tier (``-m unit``): the modules of the core, the ledger, the simulator, notices,
+#: views and the pure parts of the kernel side and the broker. Their tests that start a Jupyter
+#: server, a hub or a browser, or are marked slow, are left out of it (and so is
+#: test_simulate_scaling.py, which times replays of growing traces).
+UNIT_MODULES = frozenset({
+    # core
+    "test_core_gentle", "test_core_over_share", "test_core_placement", "test_core_properties",
+    "test_core_scheduler", "test_core_units", "test_core_usage", "test_checkpoint_budget",
+    "test_checkpoint_lock_core", "test_forecast", "test_mig_core", "test_reclaim_choice_core",
+    "test_restore_core", "test_unleased_memory_core",
+    # ledger
+    "test_ledger", "test_ledger_retention",
+    # simulate
+    "test_simulate", "test_simulate_checkpoints", "test_simulate_nodes", "test_simulate_users",
+    # notices and views
+    "test_kernel_notices", "test_viewer_privacy",
+    # the kernel side's and the broker's pure parts
+    "test_panel", "test_shared_limits", "test_reclaim_choice_kernel", "test_hub_evidence", "test_hub_registry",
+})
+#: Fixtures that start a Jupyter server: a test that uses one is not a unit test.
+SERVER_FIXTURES = frozenset({"jp_fetch", "jp_ws_fetch", "jp_serverapp", "arbiter", "start_kernel"})
+NOT_UNIT_MARKERS = ("slow", "hub", "browser", "gpu")
+
+
+def _mark_unit(items) -> None:
+    unit = pytest.mark.unit
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2] if getattr(item, "module", None) else ""
+        if (
+            module in UNIT_MODULES
+            and SERVER_FIXTURES.isdisjoint(getattr(item, "fixturenames", ()))
+            and not any(item.get_closest_marker(name) for name in NOT_UNIT_MARKERS)
+        ):
+            item.add_marker(unit)
+
+
 def pytest_collection_modifyitems(config, items):
+    _mark_unit(items)
     # Real-GPU tests run only when asked for with -m gpu.
     if "gpu" in (config.getoption("-m") or ""):
         return
