@@ -20,7 +20,7 @@ class Name(str, enum.Enum):
 
 
 class LeaseState(Name):
-    """Where a lease stands in its lifecycle (DESIGN section 4)."""
+    """Where a lease stands in its lifecycle (docs/layers.md; the states of ``api/schemas.py``'s Lease)."""
 
     PENDING = "pending"
     ACTIVE = "active"
@@ -31,7 +31,7 @@ class LeaseState(Name):
 
 
 class Step(Name):
-    """Steps of the reclaim ladder, cheapest first (DESIGN section 6)."""
+    """Steps of the reclaim ladder, cheapest first (core/ladder.py)."""
 
     RELEASE = "release"
     CHECKPOINT = "checkpoint"

@@ -1,4 +1,4 @@
-"""``gpusched-provisioner``: starts kernels with a GPU lease (DESIGN section 7).
+"""``gpusched-provisioner``: starts kernels with a GPU lease (docs/layers.md: a claim, from the handler to the ledger).
 
 Selected by a kernelspec's metadata::
 

@@ -1,4 +1,4 @@
-"""The REST API's handlers, written once (DESIGN section 8).
+"""The REST API's handlers, written once (the OpenAPI document, api/openapi.py).
 
 Each handler here is a mixin. :func:`api_handlers` joins every one with a base class that says
 who is asking and what answers them:

@@ -1,4 +1,4 @@
-"""JSON views of devices and leases (DESIGN section 8), shaped for the person who asks.
+"""JSON views of devices and leases (the OpenAPI document, api/openapi.py), shaped for the person who asks.
 
 Times are ISO 8601 UTC, sizes bytes. In hub mode a user sees other users' leases as held by
 "another user" (no kernel ids, no notebook) unless the admin allows names (``show_holders``).

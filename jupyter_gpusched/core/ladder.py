@@ -1,4 +1,4 @@
-"""The reclaim ladder: the cheapest step that frees a GPU (DESIGN section 6)."""
+"""The reclaim ladder: the cheapest step that frees a GPU (docs/layers.md: an idle reclaim)."""
 
 from __future__ import annotations
 

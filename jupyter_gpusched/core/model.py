@@ -194,7 +194,7 @@ class Capabilities:
 
 @dataclass(frozen=True)
 class SchedConfig:
-    """The scheduling knobs; defaults match ``GPUSchedApp`` (DESIGN section 8)."""
+    """The scheduling knobs; defaults match ``GPUSchedApp`` (the server's settings, config.py)."""
 
     policy: str = "hybrid"
     idle_timeout: float = 300.0
@@ -206,7 +206,7 @@ class SchedConfig:
     idle_utilization_threshold: float = 5.0
     max_keep: float = 7200.0
     quotas: Mapping[str, float] = field(default_factory=dict)
-    #: Learn each kernel's idle spells and adapt its timeouts (DESIGN section 5).
+    #: Learn each kernel's idle spells and adapt its timeouts (core/idle.py).
     adaptive: bool = True
     #: A claim blocked at the head of the fair queue for this long stops smaller claims from
     #: jumping ahead of it (so that a large claim never starves).

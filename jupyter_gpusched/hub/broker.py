@@ -1,4 +1,4 @@
-"""``jupyter gpusched broker``: the GPU broker of a JupyterHub (hub mode, DESIGN section 2).
+"""``jupyter gpusched broker``: the GPU broker of a JupyterHub (hub mode; docs/layers.md).
 
 Run as a JupyterHub-managed service (``c.JupyterHub.services``). The broker owns the ledger and
 the host's view of its GPUs and runs the same scheduling core as a standalone server; every call
@@ -10,7 +10,7 @@ restarts and shutdowns the broker orders on its own kernels.
 
 Under the service prefix (``JUPYTERHUB_SERVICE_PREFIX``, e.g. ``/services/gpusched/``):
 
-- ``api/gpusched/...``: the REST API of DESIGN section 8, for the caller's user.
+- ``api/gpusched/...``: the REST API of the OpenAPI document (api/openapi.py), for the caller's user.
 - ``api/gpusched/servers/connect``: the servers' websocket; ``api/gpusched/kernels/{id}/ended``.
 - ``/``: the admin page (hub login through OAuth): the host, every lease, the queue, unleased
   GPU processes, servers, drain and undrain. Other users see the host as the REST API shows it.

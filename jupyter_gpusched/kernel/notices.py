@@ -1,7 +1,7 @@
 """What to tell the user when the kernel's lease changes: a pure function of two lease readings.
 
 :func:`notices` compares the previous and the current reading of the kernel's lease (the
-server's lease JSON, DESIGN section 8) and returns the notices to show, in order. It keeps no
+server's lease JSON, api/openapi.py) and returns the notices to show, in order. It keeps no
 state and does nothing: the watcher remembers which countdowns it shows and which free-cache
 requests it served, frees the caches, unbinds CUDA and displays the text.
 """

@@ -1,6 +1,6 @@
 """Text and HTML for what the kernel side shows: leases, the host's GPUs, the queue, notices.
 
-Every function takes the server's JSON (DESIGN section 8) as plain dicts and returns strings, so
+Every function takes the server's JSON (the OpenAPI document, api/openapi.py) as plain dicts and returns strings, so
 the magics, the Python API, the watcher's notices and the panel all say the same thing the same
 way.
 """

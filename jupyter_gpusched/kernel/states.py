@@ -1,6 +1,6 @@
 """The states of a lease and the steps of a reclaim, as the server's lease JSON spells them.
 
-One place for the names (DESIGN section 8): the agent, the notices and the renderers compare a
+One place for the names (the lease JSON of the OpenAPI document, api/openapi.py): the agent, the notices and the renderers compare a
 lease's ``state`` and ``reclaim_step`` with these members: the same enums as the core's (``jupyter_gpusched.names``, which imports nothing), ``str`` enums, so a member equals the string the server sends
 (``LeaseState.ACTIVE == "active"``).
 """

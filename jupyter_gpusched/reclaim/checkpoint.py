@@ -1,4 +1,4 @@
-"""Suspending a kernel's GPU state to host memory and back (DESIGN section 6, step 2).
+"""Suspending a kernel's GPU state to host memory and back (the ladder's checkpoint step, core/ladder.py).
 
 Three ways, found once at start-up:
 

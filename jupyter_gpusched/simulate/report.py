@@ -36,7 +36,7 @@ def as_json(
     capacities: Mapping[str, int | None] | None = None,
     every_user: Mapping[str, int | None] | None = None,
 ) -> dict:
-    """One object keyed by policy name, each with the DESIGN section 9 fields (and ``capacity``),
+    """One object keyed by policy name, each with the fields of ``results.METRICS`` (and ``capacity``),
     ``users`` (per user: ``cells``, ``p95_s``, ``gpus_at_once``, ``queue_s`` and ``restore_s`` of
     their late cells, ``why``: queue, restores, both or none) and ``worst_user`` (the same, with
     ``user``, for the highest p95).

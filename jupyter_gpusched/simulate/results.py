@@ -8,7 +8,7 @@ from . import users as user_delays
 
 #: Policies the simulator replays: the core's three and two baselines.
 POLICIES = ("static", "dynamic", "hybrid", "oracle", "cull")
-#: What DESIGN section 9 reports per policy, in order.
+#: What a replay reports per policy, in order (the README's simulator table).
 METRICS = (
     "gpu_hours_held",
     "gpu_hours_busy",
@@ -26,7 +26,7 @@ METRICS = (
 
 @dataclass(frozen=True)
 class Result:
-    """The outcome of one replay: the section 9 metrics plus the timelines behind them."""
+    """The outcome of one replay: the metrics plus the timelines behind them."""
 
     policy: str
     gpus: int
@@ -63,7 +63,7 @@ class Result:
     node_sessions: tuple[int, ...] = ()
 
     def metrics(self) -> dict[str, float | int | None]:
-        """The section 9 fields, rounded for people (hours to 1/1000, seconds to 1/100)."""
+        """The ``METRICS`` fields, rounded for people (hours to 1/1000, seconds to 1/100)."""
         out: dict[str, float | int | None] = {}
         for name in METRICS:
             value = getattr(self, name)
