@@ -15,6 +15,9 @@ this module only tells it which node would serve a GPU user best:
 - :func:`choose_node`: the best node for a claim of ``count`` GPUs (pure).
 - :func:`prefer_gpu_node`: a KubeSpawner ``modify_pod_hook``: a GPU pod gets a *preferred* node
   affinity for that node (Kubernetes still decides; no broker answer, no preference).
+- :func:`claim_gpu_node`: the ``modify_pod_hook`` of DRA mode: a GPU pod names the chosen node's
+  ResourceClaim for all of its GPUs (kept by :mod:`jupyter_gpusched.nodeclaims`) and requires
+  that node, so that Kubernetes counts the GPUs; no node or no claim fails the spawn with why.
 - :func:`choose_broker`: a ``pre_spawn_hook`` for spawners without Kubernetes (a local process
   per user): the server is pointed at the chosen node's broker.
 
@@ -253,12 +256,15 @@ def _brokers_of_pods(data: Any, port: int, prefix: str, scheme: str = "http") ->
     if not isinstance(items, list):
         raise DiscoveryError("the Kubernetes API answered something that is not a pod list")
     newest: dict[str, tuple[str, NodeBroker]] = {}
+    waiting: list[str] = []
     for pod in items:
         if not isinstance(pod, dict):
             continue
         meta, spec, status = (pod.get(k) if isinstance(pod.get(k), dict) else {} for k in ("metadata", "spec", "status"))
         node, host_ip = spec.get("nodeName"), status.get("hostIP")
         if status.get("phase") != "Running" or meta.get("deletionTimestamp") or not node or not host_ip:
+            if status.get("phase") == "Pending" and not meta.get("deletionTimestamp"):
+                waiting.append(_why_pending(meta, status))
             continue
         if not isinstance(node, str) or not _NODE_NAME.match(node) or not isinstance(host_ip, str):
             continue
@@ -266,7 +272,24 @@ def _brokers_of_pods(data: Any, port: int, prefix: str, scheme: str = "http") ->
         broker = NodeBroker(node, f"{scheme}://{_bracket(host_ip)}:{port}{prefix}")
         if node not in newest or created > newest[node][0]:
             newest[node] = (created, broker)
+    _not_running[:] = waiting[:5]
     return [newest[name][1] for name in sorted(newest)]
+
+
+#: Why the broker pods the last discovery found Pending wait (the scheduler's word), for the spawn error.
+_not_running: list[str] = []
+
+
+def _why_pending(meta: dict, status: dict) -> str:
+    name = str(meta.get("name") or "a broker pod")
+    for condition in status.get("conditions") or ():
+        if isinstance(condition, dict) and condition.get("type") == "PodScheduled" and condition.get("status") == "False":
+            return _short(f"{name}: {condition.get('reason') or 'not scheduled'}: {condition.get('message') or ''}".rstrip(": "), 300)
+    return f"{name}: Pending"
+
+
+def _discovery_notes() -> str:
+    return "; ".join(_not_running)
 
 
 def _env_port() -> int:
@@ -497,39 +520,41 @@ def _message(body: bytes | None) -> str:
 
 async def _best_broker(count: int, logger: logging.Logger, who: str) -> tuple[NodeBroker, dict] | None:
     """The node broker to prefer for ``who``'s claim of ``count`` GPUs, with its summary (None: none)."""
+    best, _ = await _choose_broker(count, logger, who)
+    return best
+
+
+async def _choose_broker(count: int, logger: logging.Logger, who: str) -> tuple[tuple[NodeBroker, dict] | None, str]:
+    """:func:`_best_broker`'s answer, and when it is None, why (logged too)."""
     token = os.environ.get(ENV_TOKEN, "")
     if not token:
-        logger.warning("GPU node for %s: %s is not set (the gpusched service's token); no node preferred", who, ENV_TOKEN)
-        return None
+        why = f"{ENV_TOKEN} is not set (the gpusched service's token)"
+        logger.warning("GPU node for %s: %s; no node preferred", who, why)
+        return None, why
     try:
         trust = BrokerTrust.from_environment()
         brokers = await asyncio.to_thread(node_brokers)
     except (ValueError, DiscoveryError) as exc:
         logger.warning("GPU node for %s: %s; no node preferred", who, exc)
-        return None
+        return None, str(exc)
     if not brokers:
-        logger.warning(
-            "GPU node for %s: no node brokers known (set %s, or run the hub in the cluster); no node preferred",
-            who, ENV_NODE_BROKERS,
-        )
-        return None
+        why = f"no node brokers known (set {ENV_NODE_BROKERS}, or run the hub in the cluster)"
+        waiting = _discovery_notes()
+        if waiting:
+            why += f"; broker pods not running: {waiting}"
+        logger.warning("GPU node for %s: %s; no node preferred", who, why)
+        return None, why
     reports = await node_reports(brokers, token, trust=trust)
     # Only a broker that was verified and answered a well-formed summary can be chosen.
     summaries = {name: report.summary for name, report in reports.items() if report.state == OK}
     node = choose_node(summaries, count)
     if node is None:
         answered = sum(1 for s in summaries.values() if s)
-        states: dict[str, int] = {}
-        for report in reports.values():
-            if report.state != OK:
-                states[report.state] = states.get(report.state, 0) + 1
-        others = ", ".join(f"{n} {state}" for state, n in sorted(states.items()))
+        problems = [f"{name} {report.state}: {report.problem}" for name, report in sorted(reports.items()) if report.state != OK]
         why = f"none of the {answered} that answered has {count} GPU(s)" if answered else "none answered"
-        logger.info(
-            "GPU node for %s: none preferred (%d node broker(s), %s%s)", who, len(brokers), why,
-            f"; {others}" if others else "",
-        )
-        return None
+        why = f"{len(brokers)} node broker(s), {why}" + (f"; {'; '.join(problems)}" if problems else "")
+        logger.info("GPU node for %s: none preferred (%s)", who, why)
+        return None, _short(why, 600)
     broker = next(b for b in brokers if b.name == node)
     summary = summaries[node] or {}
     logger.info(
@@ -537,7 +562,7 @@ async def _best_broker(count: int, logger: logging.Logger, who: str) -> tuple[No
         who, node, summary.get("free"), summary.get("reclaimable"), summary.get("pending"), summary.get("gpus"),
         summary.get("servers"), summary.get("servers_without_lease"),
     )
-    return broker, summary
+    return (broker, summary), ""
 
 
 def _gpus_wanted(value: Any, logger: logging.Logger) -> int:
@@ -640,6 +665,105 @@ async def prefer_gpu_node(spawner: Any, pod: Any) -> Any:
     except Exception:  # noqa: BLE001 - placing a pod better is never worth failing its spawn
         logger.exception("GPU node for %s: could not choose one; the pod is left as it is", who)
     return pod
+
+
+def add_node_claim(pod: Any, claim: str, node: str, request: str = "gpus") -> Any:
+    """Make a KubeSpawner pod (a ``V1Pod``) use ``node``'s claim: returns the pod.
+
+    The pod's ``resourceClaims`` names ``claim`` (as ``request``), the notebook container's
+    ``resources.claims`` uses it, and the pod requires ``node`` (``matchFields`` on the node's
+    name, added to every required term it has, so that its own requirements still hold): the node
+    where the scheduler allocates the claim when it is not allocated. Once it is, its allocation
+    keeps the pod on that node anyway.
+    """
+    from kubernetes_asyncio.client.models import (
+        CoreV1ResourceClaim,
+        V1Affinity,
+        V1NodeAffinity,
+        V1NodeSelector,
+        V1NodeSelectorRequirement,
+        V1NodeSelectorTerm,
+        V1PodResourceClaim,
+        V1ResourceRequirements,
+    )
+
+    spec = pod.spec
+    claims = [c for c in (spec.resource_claims or ()) if getattr(c, "name", None) != request]
+    spec.resource_claims = [*claims, V1PodResourceClaim(name=request, resource_claim_name=claim)]
+    container = _notebook_container(pod)
+    if container.resources is None:
+        container.resources = V1ResourceRequirements()
+    uses = [c for c in (container.resources.claims or ()) if getattr(c, "name", None) != request]
+    container.resources.claims = [*uses, CoreV1ResourceClaim(name=request)]
+    if spec.affinity is None:
+        spec.affinity = V1Affinity()
+    if spec.affinity.node_affinity is None:
+        spec.affinity.node_affinity = V1NodeAffinity()
+    affinity = spec.affinity.node_affinity
+    required = affinity.required_during_scheduling_ignored_during_execution
+    on_node = V1NodeSelectorRequirement(key="metadata.name", operator="In", values=[node])
+    terms = list(getattr(required, "node_selector_terms", None) or ()) or [V1NodeSelectorTerm()]
+    for term in terms:  # terms are ORed: the node goes into each
+        term.match_fields = [*(term.match_fields or ()), on_node]
+    affinity.required_during_scheduling_ignored_during_execution = V1NodeSelector(node_selector_terms=terms)
+    return pod
+
+
+#: What the hook last found of each node's claim in this process (node -> ClaimState), for the log.
+_claims: dict[str, Any] = {}
+
+
+def last_claim(node: str) -> Any:
+    """The state of ``node``'s claim as this process last found it (None: never asked)."""
+    return _claims.get(node)
+
+
+async def claim_gpu_node(spawner: Any, pod: Any) -> Any:
+    """KubeSpawner ``modify_pod_hook`` for DRA mode: a GPU pod uses the chosen node's GPU claim.
+
+    For a GPU pod (:func:`is_gpu_pod`), the node :func:`choose_node` picks from the node brokers'
+    summaries, for the GPUs its ``JUPYTER_GPUSCHED_GPUS`` env asks (default 1); the hub keeps that
+    node's ResourceClaim for all of its GPUs (:class:`~jupyter_gpusched.nodeclaims.ClaimKeeper`,
+    created when missing) and the pod names it and requires that node (:func:`add_node_claim`),
+    so Kubernetes places the pod there and counts the node's GPUs as taken. Any other pod is left
+    as it is.
+
+    Unlike :func:`prefer_gpu_node`, a GPU pod that gets no claim would have no GPU at all: when no
+    node can be chosen, or the claim cannot be kept or cannot serve the node, the spawn fails with
+    a :class:`~jupyter_gpusched.nodeclaims.ClaimError` that says why.
+
+    ``c.KubeSpawner.modify_pod_hook = jupyter_gpusched.kubernetes.claim_gpu_node``
+    """
+    from .nodeclaims import ClaimError, ClaimKeeper
+
+    logger = getattr(spawner, "log", None) or log
+    who = _user_of(spawner)
+    if not is_gpu_pod(pod):
+        return pod
+    container = _notebook_container(pod)
+    limits = getattr(getattr(container, "resources", None), "limits", None) or {}
+    if "nvidia.com/gpu" in limits:
+        logger.warning(
+            "GPU pod of %s asks for nvidia.com/gpu as well as its node's GPU claim: drop the limit from the profile", who
+        )
+    count = _gpus_wanted(_env_of(container).get(ENV_GPUS), logger)
+    best, why = await _choose_broker(count, logger, who)
+    if best is None:
+        raise ClaimError(f"No GPU node for {who}'s server: {why}")
+    node = best[0].name
+    try:
+        state = await asyncio.to_thread(ClaimKeeper().ensure, node)
+    except ClaimError as exc:
+        logger.error("GPU claim of node %s for %s: %s", node, who, exc)
+        raise ClaimError(f"The GPUs of node {node} cannot be claimed for {who}'s server: {exc}") from None
+    before = _claims.get(node)
+    _claims[node] = state
+    if state.problem:
+        if before is None or before.problem != state.problem:
+            logger.error("GPU claim of node %s: %s", node, state.problem)
+        raise ClaimError(f"The GPUs of node {node} cannot be claimed for {who}'s server: {state.problem}")
+    logger.info("GPU node for %s: %s, %s", who, node, state.describe())
+    return add_node_claim(pod, state.name, node)
 
 
 async def choose_broker(spawner: Any) -> None:

@@ -188,10 +188,15 @@ def _namespace() -> str:
     try:
         from kubernetes import config
 
-        _, context = config.list_kube_config_contexts()
+        _, context = config.list_kube_config_contexts(config_file=_kubeconfig())
         return (context or {}).get("context", {}).get("namespace") or "default"
     except Exception:  # noqa: BLE001 - no kubeconfig: the default namespace
         return "default"
+
+
+def _kubeconfig() -> str | None:
+    # Read now: the client reads KUBECONFIG once, when it is imported.
+    return os.environ.get("KUBECONFIG") or None
 
 
 def _api() -> Any:
@@ -208,7 +213,7 @@ def _api() -> Any:
         if os.environ.get("KUBERNETES_SERVICE_HOST"):
             config.load_incluster_config(client_configuration=configuration)
         else:
-            config.load_kube_config(client_configuration=configuration)
+            config.load_kube_config(config_file=_kubeconfig(), client_configuration=configuration)
     except Exception as exc:  # noqa: BLE001 - whatever the loader raises, the spawn error says it
         raise ClaimError(f"cannot reach the Kubernetes API to keep the nodes' GPU claims: {exc}") from None
     return client.ResourceV1Api(client.ApiClient(configuration))

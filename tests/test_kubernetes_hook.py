@@ -604,3 +604,111 @@ def test_choose_broker_points_a_local_server_at_the_chosen_node(tmp_path, monkey
             await nodes.close()
 
     asyncio.run(scenario())
+
+
+# -- DRA mode: the pod names its node's claim --------------------------------------------------------
+DRA_VERSIONS = ("1.34.0", "1.35.0", "1.36.0")
+OWN_REQUIRED = {"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}
+
+
+def dra_profile() -> Config:
+    """The DRA mode's GPU profile (deploy/kubernetes/dra/z2jh-values-dra.yaml), with a required
+    affinity of its own, which the node requirement must keep."""
+    c = Config()
+    c.KubeSpawner.environment = {
+        "GPUSCHED_NODE_IP": {"valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}},
+        "JUPYTER_GPUSCHED_BROKER_URL": BROKER_URL_ENV,
+    }
+    c.KubeSpawner.node_affinity_required = [OWN_REQUIRED]
+    c.KubeSpawner.mem_limit = "1G"
+    c.KubeSpawner.modify_pod_hook = kubernetes.claim_gpu_node
+    return c
+
+
+def node_claim_of(manifest: dict) -> tuple[str, str, list]:
+    """(the claim the pod names, the node it requires, the notebook container's claims)."""
+    spec = manifest["spec"]
+    (claim,) = spec["resourceClaims"]
+    (term,) = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert term["matchExpressions"] == OWN_REQUIRED["matchExpressions"], term  # the profile's own, kept (ANDed)
+    (on_node,) = term["matchFields"]
+    assert on_node["key"] == "metadata.name" and on_node["operator"] == "In"
+    return claim["resourceClaimName"], on_node["values"][0], notebook_container(manifest)["resources"].get("claims")
+
+
+@pytest.fixture
+def kube_api(tmp_path, kubeconfig, monkeypatch):
+    """The stand-in Kubernetes API (tests/kube_api.py says what it does not check), which the
+    hook's claim keeper and KubeSpawner both find through KUBECONFIG."""
+    from kube_api import KubeAPI
+
+    api = KubeAPI()
+    api.start()
+    monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig(tmp_path / "kubeconfig-dra", namespace="jhub")))
+    monkeypatch.setenv("POD_NAMESPACE", "jhub")
+    monkeypatch.delenv("GPUSCHED_DRA_DEVICE_CLASS", raising=False)
+    yield api
+    api.stop()
+
+
+def test_in_dra_mode_the_gpu_pod_names_the_chosen_nodes_claim(tmp_path, kube_api, monkeypatch):
+    import kubernetes_validate
+
+    from jupyter_gpusched.nodeclaims import ClaimError, node_claim
+
+    nodes = Nodes(tmp_path)
+
+    async def scenario():
+        await nodes.start()
+        try:
+            monkeypatch.setenv(kubernetes.ENV_TOKEN, SERVICE_TOKEN)
+            monkeypatch.setenv(kubernetes.ENV_NODE_BROKERS, nodes.spec())
+            lease = await nodes.hold("node-a", "alice")  # node-a is full, node-b free
+
+            manifest = await pod_manifest(dra_profile())
+            claim, node, uses = node_claim_of(manifest)
+            assert (claim, node, uses) == ("gpusched-gpus-node-b", "node-b", [{"name": "gpus"}])
+            assert manifest["spec"]["resourceClaims"] == [{"name": "gpus", "resourceClaimName": claim}]
+            resources = notebook_container(manifest)["resources"]
+            assert not any("nvidia.com/gpu" in (resources.get(k) or {}) for k in ("limits", "requests"))
+            assert resources["limits"]["memory"] == 1 << 30  # the profile's resources are kept
+            for version in DRA_VERSIONS:
+                kubernetes_validate.validate(manifest, version, strict=True)
+            # The hub created the claim for all of node-b's GPUs, in its namespace.
+            assert kube_api.claim(claim, "jhub")["spec"] == node_claim("node-b")["spec"]
+
+            # The other way round: node-a frees its GPU, node-b's is taken; node-a's claim is made
+            # once, then only read.
+            await nodes.apps["node-a"].arbiter.release(Principal("alice"), lease)
+            await nodes.hold("node-b", "bob")
+            for _ in range(2):
+                claim, node, _uses = node_claim_of(await pod_manifest(dra_profile()))
+                assert (claim, node) == ("gpusched-gpus-node-a", "node-a")
+            assert len([p for m, p in kube_api.requests if m == "POST"]) == 2
+
+            # node-a's claim allocated on another node (a pod placed without the hook): the spawn
+            # fails, saying so, and the claim is left as it is.
+            from kubernetes import client, config
+
+            from kube_api import allocate
+
+            configuration = client.Configuration()
+            config.load_kube_config(config_file=os.environ["KUBECONFIG"], client_configuration=configuration)
+            with client.ApiClient(configuration) as api_client:
+                await asyncio.to_thread(allocate, api_client, "jhub", claim, "node-z", 2, "jupyter-x")
+            with pytest.raises(ClaimError, match="cannot be claimed for bob's server: claim gpusched-gpus-node-a is allocated on node node-z"):
+                await pod_manifest(dra_profile())
+            assert kube_api.claim(claim, "jhub")["status"]["reservedFor"][0]["name"] == "jupyter-x"
+            # No broker answers: no node, and the spawn fails saying why (a pod without its claim has no GPU).
+            await nodes.close()
+            with pytest.raises(ClaimError, match="No GPU node for bob's server: 2 node broker.*none answered.*not answering"):
+                await pod_manifest(dra_profile())
+            # A pod that does not join a broker is left alone, brokers or not.
+            plain = Config()
+            plain.KubeSpawner.modify_pod_hook = kubernetes.claim_gpu_node
+            assert "resourceClaims" not in (await pod_manifest(plain))["spec"]
+            assert {m for m, p in kube_api.requests if not p.endswith("/status")} == {"GET", "POST"}
+        finally:
+            await nodes.close()
+
+    asyncio.run(scenario())
