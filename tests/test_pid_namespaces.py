@@ -453,11 +453,15 @@ def test_a_server_in_a_pod_is_scheduled_by_its_host_pids(tmp_path):
                 ),
                 raise_error=False,
             )
-            assert claim.code == 201, claim.body
+            # Granted at once, or (where a tick saw the kernel's own 1 GiB without its process tree
+            # yet, so the GPU looked 2 GiB full outside the leases) at a tick soon after.
+            assert claim.code in (201, 202), claim.body
             lease_id = json.loads(claim.body)["id"]
 
             def lease():
                 return next(le for le in app.arbiter.state.leases if le.id == lease_id)
+
+            await until(lambda: lease().state.value in ("active", "idle"), 30, "the kernel's lease to be granted")
 
             await asyncio.sleep(2.0)  # four idle timeouts
             assert lease().state.value == "active", lease()
