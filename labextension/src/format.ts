@@ -345,7 +345,12 @@ export function leaseMemory(
         )
       : [];
     const ownKnown = own.filter(process => process.memory_used !== null);
-    if (ownKnown.length > 0) {
+    // Where the server lists the GPU's processes, the kernel's own are what it uses: memory of
+    // a process outside the lease is not the lease's.
+    const listed = (device.processes ?? []).some(
+      process => process.memory_used !== null
+    );
+    if (ownKnown.length > 0 || listed) {
       used += ownKnown.reduce(
         (sum, process) => sum + (process.memory_used ?? 0),
         0
@@ -948,4 +953,65 @@ export function overShareLabel(lease: ILease, nowMs: number): string | null {
   }
   const seconds = Math.max(0, (nowMs - since) / 1000);
   return `over its memory share for ${formatDuration(seconds)}`;
+}
+
+// ---------------------------------------------------------------------------------------------
+// GPU processes
+
+/** One process on a GPU, as the sidebar lists it. */
+export interface IProcessRow {
+  pid: number;
+  /** `"8.0 GiB"`, or `"n/a"` where the driver does not say. */
+  memory: string;
+  /** The lease on this GPU the process counts toward, `null`: outside every lease. */
+  lease: ILease | null;
+  /** Whose it is: `"b.ipynb · alice"`, `"no lease · kernel 0123abcd"`, `"no lease"`. */
+  label: string;
+}
+
+/**
+ * The processes on a GPU, most memory first, each with the lease it counts toward (or none):
+ * from the server's `lease_id` where it sends one, else from the lease of the process's kernel
+ * that holds this GPU.
+ */
+export function processRows(
+  status: IStatus | null,
+  device: IDevice,
+  pathOf: (lease: ILease) => string | null = () => null
+): IProcessRow[] {
+  const leases = status?.leases ?? [];
+  const rows = (device.processes ?? []).map(process => {
+    let lease: ILease | null = null;
+    if (process.lease_id !== undefined) {
+      lease = leases.find(item => item.id === process.lease_id) ?? null;
+    } else if (process.kernel_id) {
+      lease =
+        leases.find(
+          item =>
+            item.kernel_id === process.kernel_id &&
+            isHolding(item.state) &&
+            (item.devices.indexOf(device.uuid) >= 0 ||
+              device.lease_ids.indexOf(item.id) >= 0)
+        ) ?? null;
+    }
+    let label: string;
+    if (lease) {
+      label = `${leaseLabel(lease, pathOf(lease))} · ${holderOf(lease)}`;
+    } else {
+      const whose = [
+        process.kernel_id ? kernelLabel(process.kernel_id) : null,
+        process.user ? `user ${process.user}` : null
+      ].filter((part): part is string => part !== null);
+      label = ['no lease', ...whose].join(' · ');
+    }
+    return {
+      pid: process.pid,
+      memory: formatBytes(process.memory_used),
+      lease,
+      label,
+      bytes: process.memory_used ?? -1
+    };
+  });
+  rows.sort((a, b) => b.bytes - a.bytes || a.pid - b.pid);
+  return rows.map(({ bytes: _bytes, ...row }) => row);
 }

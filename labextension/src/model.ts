@@ -25,6 +25,7 @@ import {
   parseEvent
 } from './api';
 import { effectiveKeepSeconds, leaseOfKernel, queuePosition } from './format';
+import { DeviceHistory } from './history';
 import {
   applyEvent,
   isOwnLease,
@@ -90,6 +91,9 @@ export const CLOCK_SKEW_MS = 5000;
 /** How many ended leases the model remembers by id (for the countdowns it replaces). */
 const MAX_ENDED = 500;
 
+/** How often the model records each GPU's utilization and memory for the charts. */
+export const SAMPLE_INTERVAL_MS = 2000;
+
 /** The part of a WebSocket the model uses (a real `WebSocket` fits). */
 export interface IEventSocket {
   onopen: ((event: Event) => void) | null;
@@ -145,6 +149,16 @@ export class GPUSchedModel implements IDisposable {
    */
   get leaseEnded(): ISignal<this, ILease> {
     return this._leaseEnded;
+  }
+
+  /** Each GPU's utilization and memory over the last minutes. */
+  get history(): DeviceHistory {
+    return this._history;
+  }
+
+  /** Emitted after each reading of the GPUs into `history`. */
+  get sampled(): ISignal<this, void> {
+    return this._sampled;
   }
 
   /** Emitted for every notice event. */
@@ -208,6 +222,8 @@ export class GPUSchedModel implements IDisposable {
       return;
     }
     this._started = true;
+    this._changed.connect(this._sample, this);
+    this._sampleTimer = setInterval(() => this._sample(), SAMPLE_INTERVAL_MS);
     this._connect();
   }
 
@@ -369,6 +385,10 @@ export class GPUSchedModel implements IDisposable {
     }
     this._isDisposed = true;
     this._clearTimers();
+    if (this._sampleTimer !== null) {
+      clearInterval(this._sampleTimer);
+      this._sampleTimer = null;
+    }
     const socket = this._socket;
     this._socket = null;
     if (socket) {
@@ -589,6 +609,14 @@ export class GPUSchedModel implements IDisposable {
     }
   }
 
+  private _sample(): void {
+    if (this._isDisposed || this._status === null) {
+      return;
+    }
+    this._history.record(this._status, this.now());
+    this._sampled.emit();
+  }
+
   private _refreshUnlessLive(): void {
     if (this._connection !== 'live') {
       void this.refresh();
@@ -650,6 +678,9 @@ export class GPUSchedModel implements IDisposable {
   private _changed = new Signal<this, void>(this);
   private _noticeReceived = new Signal<this, INotice>(this);
   private _leaseEnded = new Signal<this, ILease>(this);
+  private _sampled = new Signal<this, void>(this);
+  private _history = new DeviceHistory();
+  private _sampleTimer: ReturnType<typeof setInterval> | null = null;
   private _ended = new Map<string, ILease>();
   private _endedById = new Map<string, ILease>();
   private _client: IGPUSchedClient;

@@ -37,6 +37,7 @@ import {
   leaseMemory,
   overShareLabel,
   percentOf,
+  processRows,
   queueReason,
   reclaimCountdown,
   stateLabel,
@@ -45,6 +46,7 @@ import {
   usageRows,
   usageTracked
 } from './format';
+import { chartLines, chartSpan, ISample, peakAndLast } from './history';
 import { useNow, usePending } from './hooks';
 import { gpuIcon } from './icons';
 import { ConnectionState, GPUSchedModel } from './model';
@@ -417,6 +419,15 @@ function DeviceCard(
         value={percentOf(device.memory_used, device.memory_total)}
         text={formatMemory(device.memory_used, device.memory_total)}
       />
+      <UseSignal signal={model.sampled}>
+        {() => (
+          <DeviceChart
+            gpu={gpu}
+            samples={model.history.samples(device.uuid)}
+            now={model.now()}
+          />
+        )}
+      </UseSignal>
       <div className="jp-gpusched-Holders">
         {holders.length === 0 ? (
           <span className="jp-gpusched-Free">
@@ -438,6 +449,7 @@ function DeviceCard(
           ))
         )}
       </div>
+      <ProcessList model={model} status={status} device={device} />
       {unleased.length > 0 && (
         <div className="jp-gpusched-Unleased" role="note">
           {unleased.length === 1 ? '1 process' : `${unleased.length} processes`}{' '}
@@ -446,6 +458,119 @@ function DeviceCard(
         </div>
       )}
     </li>
+  );
+}
+
+const CHART_WIDTH = 240;
+const CHART_HEIGHT = 40;
+const pickUtilization = (sample: ISample): number | null => sample.utilization;
+const pickMemory = (sample: ISample): number | null => sample.memory;
+
+/** Utilization and memory of one GPU over the last minutes, as two lines. */
+function DeviceChart(props: {
+  gpu: string;
+  samples: ReadonlyArray<ISample>;
+  now: number;
+}): React.ReactElement {
+  const { gpu, samples, now } = props;
+  const span = chartSpan(samples, now);
+  const spanText = formatDuration(Math.round(span / 1000));
+  const series = [
+    { kind: 'utilization', name: 'Util', pick: pickUtilization },
+    { kind: 'memory', name: 'Mem', pick: pickMemory }
+  ] as const;
+  const summaries = series.map(item => {
+    const { peak, last } = peakAndLast(samples, item.pick);
+    return `${item.name} ${formatPercent(last)} (peak ${formatPercent(peak)})`;
+  });
+  const label = `${gpu} over the last ${spanText}: ${summaries.join(', ')}`;
+  return (
+    <figure
+      className="jp-gpusched-Chart"
+      data-samples={samples.length}
+      aria-label={label}
+      title={label}
+    >
+      <svg
+        className="jp-gpusched-Chart-plot"
+        viewBox={`0 0 ${CHART_WIDTH} ${CHART_HEIGHT}`}
+        preserveAspectRatio="none"
+        role="img"
+        aria-hidden="true"
+      >
+        <line
+          className="jp-gpusched-Chart-grid"
+          x1={0}
+          x2={CHART_WIDTH}
+          y1={CHART_HEIGHT / 2}
+          y2={CHART_HEIGHT / 2}
+        />
+        {series.map(item =>
+          chartLines(
+            samples,
+            item.pick,
+            now,
+            span,
+            CHART_WIDTH,
+            CHART_HEIGHT
+          ).map((points, index) => (
+            <polyline
+              key={`${item.kind}-${index}`}
+              className={`jp-gpusched-Chart-line jp-gpusched-Chart-${item.kind}`}
+              points={points}
+            />
+          ))
+        )}
+      </svg>
+      <figcaption className="jp-gpusched-Chart-caption">
+        <span className="jp-gpusched-Chart-key jp-gpusched-Chart-key-utilization">
+          util
+        </span>
+        <span className="jp-gpusched-Chart-key jp-gpusched-Chart-key-memory">
+          memory
+        </span>
+        <span className="jp-gpusched-Chart-span">last {spanText}</span>
+      </figcaption>
+    </figure>
+  );
+}
+
+/** The processes on a GPU with their memory and the lease each counts toward, or none. */
+function ProcessList(props: {
+  model: GPUSchedModel;
+  status: IStatus;
+  device: IDevice;
+}): React.ReactElement | null {
+  const { model, status, device } = props;
+  const rows = processRows(status, device, lease => model.pathOfLease(lease));
+  if (rows.length === 0) {
+    return null;
+  }
+  return (
+    <table
+      className="jp-gpusched-Processes"
+      aria-label={`Processes on GPU ${device.index}`}
+    >
+      <tbody>
+        {rows.map(row => (
+          <tr
+            key={row.pid}
+            className="jp-gpusched-Process"
+            data-pid={row.pid}
+            data-lease-id={row.lease?.id ?? ''}
+          >
+            <td className="jp-gpusched-Process-pid">{row.pid}</td>
+            <td className="jp-gpusched-Process-memory">{row.memory}</td>
+            <td
+              className="jp-gpusched-Process-lease"
+              data-leased={row.lease ? 'true' : 'false'}
+            >
+              {row.label}
+            </td>
+          </tr>
+        ))}
+      </tbody>
+    </table>
   );
 }
 
