@@ -15,6 +15,16 @@ mapping; bob, a new user, lands on the other node; the admin page shows both nod
 started in bob's pod outside any kernel is reported with his pod; alice's idle kernel is
 checkpointed for a claim that waits on her node, and restored at its next cell. Times are real
 but short (idle after 5 s).
+
+Each runs in both GPU modes of deploy/kubernetes/ where the mode matters. Device-plugin mode: the
+hook is ``choose_broker`` and the "pod" runs on the node it names. DRA mode: the hub's pre-spawn
+hook builds the GPU pod with a real KubeSpawner and the DRA hook ``claim_gpu_node``, which keeps the
+chosen node's ResourceClaim in a stand-in Kubernetes API (tests/kube_api.py, with the official
+client; it says there what it does not check) and names it in the pod; the "pod"
+(tests/multinode_pod.py) reserves the claim as the scheduler would, allocating it on the required
+node when it is not allocated, and runs the server on the node THE CLAIM IS ALLOCATED ON. The tests
+after placement (admin page, a stray process, a checkpoint across the namespace) do not depend on
+the mode and run once, in device-plugin mode. No real cluster is run.
 """
 
 from __future__ import annotations
@@ -29,9 +39,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from jupyter_gpusched import kubernetes, procs
+import json
+
+from jupyter_gpusched import kubernetes, nodeclaims, procs
 
 from hub_util import EXAMPLE, Hub, free_port, start_kernel
+from kube_api import KubeAPI
 from test_hub import BROKER, VISIBLE, _login, until, visible
 from test_pid_namespaces import _PROBLEM, UNSHARE
 
@@ -78,6 +91,31 @@ c.Spawner.cmd = {cmd!r}
 # unshare does not pass signals on: stopping a server kills its "pod" (unshare, then the namespace).
 c.Spawner.interrupt_timeout = 1
 c.Spawner.term_timeout = 1
+"""
+
+#: DRA mode: the hub's side. The GPU profile's pod as KubeSpawner builds it, through the DRA hook;
+#: what the pod names (its node's claim) and requires (a node) goes to the local "pod".
+HUB_CONFIG_DRA = """
+from kubespawner import KubeSpawner
+from traitlets.config import Config
+
+
+async def claim_node(spawner):
+    config = Config()
+    config.KubeSpawner.environment = {"JUPYTER_GPUSCHED_BROKER_URL": "http://$(GPUSCHED_NODE_IP):8765/services/gpusched/"}
+    config.KubeSpawner.modify_pod_hook = jupyter_gpusched.kubernetes.claim_gpu_node
+    kube = KubeSpawner(config=config, user=spawner.user, hub=spawner.hub)
+    pod = await kube.modify_pod_hook(kube, await kube.get_pod_manifest())
+    (claim,) = pod.spec.resource_claims
+    (term,) = pod.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution.node_selector_terms
+    spawner.environment = {
+        **spawner.environment,
+        "GPUSCHED_POD_CLAIM": claim.resource_claim_name,
+        "GPUSCHED_POD_NODE": term.match_fields[0].values[0],
+    }
+
+
+c.Spawner.pre_spawn_hook = claim_node
 """
 
 #: A process in a pod that uses the node's GPU outside any kernel (as ``kubectl exec`` would start
@@ -179,18 +217,38 @@ class NodeBroker:
 class Cluster:
     """The hub, its two node brokers, and what the tests keep between them."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, mode: str = "device-plugin") -> None:
         token = os.urandom(16).hex()
+        self.mode = mode
         self.nodes_dir = root / "nodes"
-        pod = POD.format(nodes=shlex.quote(str(self.nodes_dir)))
-        cmd = [*UNSHARE, "--uts", "sh", "-c", pod, "jupyterhub-singleuser"]
-        self.hub = Hub(root / "hub", admins=("admin",), extra_config=HUB_CONFIG.format(token=token, cmd=cmd))
+        self.api: KubeAPI | None = None
+        ports = {"node-a": free_port(), "node-b": free_port()}
+        if mode == "dra":
+            self.api = KubeAPI()
+            self.api.start()
+            kubeconfig = self.api.kubeconfig(root / "kubeconfig", namespace="jhub")
+            nodes = {
+                name: {"url": f"http://127.0.0.1:{port}/services/gpusched/", "gpus": len(NODE_GPUS[name]),
+                       "state": str(self.nodes_dir / name / "gpus.sqlite")}
+                for name, port in ports.items()
+            }
+            cmd = [*UNSHARE, "--uts", sys.executable, str(Path(__file__).with_name("multinode_pod.py")),
+                   str(kubeconfig), json.dumps(nodes), "jupyterhub-singleuser"]
+            extra = HUB_CONFIG.format(token=token, cmd=cmd) + HUB_CONFIG_DRA
+        else:
+            pod = POD.format(nodes=shlex.quote(str(self.nodes_dir)))
+            cmd = [*UNSHARE, "--uts", "sh", "-c", pod, "jupyterhub-singleuser"]
+            extra = HUB_CONFIG.format(token=token, cmd=cmd)
+        self.hub = Hub(root / "hub", admins=("admin",), extra_config=extra)
         # node-a is where the hub's service URL points; node-b is reached only by its own URL.
-        ports = {"node-a": self.hub.broker_port, "node-b": free_port()}
+        self.hub.broker_port = ports["node-a"]
         self.nodes = {name: NodeBroker(self.nodes_dir, name, port, token) for name, port in ports.items()}
         self.peers = ",".join(f"{n.name}={n.url}" for n in self.nodes.values())
         # What the hub's spawn hook reads (as the chart's hub.extraEnv would set it).
         self.hub.hub_environment.update({kubernetes.ENV_TOKEN: token, kubernetes.ENV_NODE_BROKERS: self.peers})
+        if self.api is not None:
+            # The hub's claim keeper and KubeSpawner find the (stand-in) Kubernetes API here.
+            self.hub.hub_environment.update(KUBECONFIG=str(kubeconfig), POD_NAMESPACE="jhub")
         self.hub.add_kernelspec("gpu")
         self.kernels: dict = {}
 
@@ -208,6 +266,26 @@ class Cluster:
         finally:
             for node in self.nodes.values():
                 node.stop()
+            if self.api is not None:
+                self.api.stop()
+
+    def claim_of(self, node: str) -> dict | None:
+        """DRA mode: ``node``'s claim as the stand-in API server holds it."""
+        return self.api.claim(nodeclaims.claim_name(node), "jhub")
+
+    def check_placed_by_claim(self, user: str, node: str) -> None:
+        """DRA mode: ``user``'s pod named ``node``'s claim, which is allocated on ``node`` and reserved for it."""
+        if self.mode != "dra":
+            return
+        claim = self.claim_of(node)
+        assert claim is not None, f"no claim for {node}"
+        assert nodeclaims.allocated_node(claim) == node
+        assert claim["spec"] == nodeclaims.node_claim(node)["spec"]  # all of its GPUs
+        results = claim["status"]["allocation"]["devices"]["results"]
+        assert len(results) == len(NODE_GPUS[node])
+        assert f"jupyter-{user}" in [r["name"] for r in claim["status"]["reservedFor"]]
+        # Nothing was deleted, replaced or patched by the hub (the stand-in scheduler's PUTs aside).
+        assert {m for m, p in self.api.requests if not p.endswith("/status")} <= {"GET", "POST"}
 
     # -- waiting, with what every node says when it fails -----------------------------------------
     def wait(self, predicate, timeout: float, what: str):
@@ -277,11 +355,17 @@ def in_own_pod(server: dict, user: str) -> int:
     return ns
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def only_once(cluster) -> None:
+    """A test that does not depend on the GPU mode runs in device-plugin mode only."""
+    if cluster.mode != "device-plugin":
+        pytest.skip("does not depend on the GPU mode: runs in device-plugin mode")
+
+
+@pytest.fixture(scope="module", params=["device-plugin", "dra"])
+def cluster(request, tmp_path_factory):
     if not EXAMPLE.exists():
         pytest.skip("examples/jupyterhub_config.py is not in this checkout")
-    c = Cluster(tmp_path_factory.mktemp("cluster"))
+    c = Cluster(tmp_path_factory.mktemp("cluster"), request.param)
     try:
         c.start()
         c.hub.create_users(["alice", "bob"])
@@ -304,6 +388,11 @@ def test_a_users_server_goes_to_the_node_with_the_most_free_gpus_in_a_pod_of_its
     env = psutil.Process(server["pid"]).environ()
     assert env["GPUSCHED_NODE"] == "node-b"
     assert env["JUPYTER_GPUSCHED_BROKER_URL"] == cluster.nodes["node-b"].url
+    if cluster.mode == "dra":
+        # The pod named node-b's claim; where that claim is allocated is where the server runs.
+        assert env["GPUSCHED_POD_CLAIM"] == nodeclaims.claim_name("node-b")
+        assert cluster.claim_of("node-a") is None
+    cluster.check_placed_by_claim("alice", "node-b")
     # alice sees the GPUs of her node through her own server.
     code, status = hub.server("alice", "GET", "api/gpusched/status")
     assert code == 200, status
@@ -356,6 +445,10 @@ def test_a_new_user_is_placed_on_the_node_with_free_gpus_when_the_other_is_full(
     cluster.bob_server = server
     assert "bob" not in cluster.users_on("node-b")
     assert psutil.Process(server["pid"]).environ()["GPUSCHED_NODE"] == "node-a"
+    cluster.check_placed_by_claim("bob", "node-a")
+    if cluster.mode == "dra":
+        # node-b's claim still serves alice alone.
+        assert [r["name"] for r in cluster.claim_of("node-b")["status"]["reservedFor"]] == ["jupyter-alice"]
 
     kb = cluster.kernels["bob"] = start_kernel(hub, "bob")
     out = kb.execute(VISIBLE)
@@ -371,6 +464,7 @@ def test_a_new_user_is_placed_on_the_node_with_free_gpus_when_the_other_is_full(
 
 # -- what the admin sees ---------------------------------------------------------------------------
 def test_the_admin_page_at_the_services_url_shows_every_node(cluster):
+    only_once(cluster)
     hub = cluster.hub
     # The hub's login (OAuth) leads to the node broker the service's URL points at: node-a.
     page = _login(hub, "admin").get(hub.broker_url, timeout=30).text
@@ -386,6 +480,7 @@ def test_the_admin_page_at_the_services_url_shows_every_node(cluster):
 
 
 def test_a_gpu_process_in_a_pod_without_a_lease_is_reported_with_its_pod(cluster):
+    only_once(cluster)
     hub = cluster.hub
     node = cluster.nodes["node-a"]
     uuid = node.status(hub)["devices"][0]["uuid"]
@@ -421,6 +516,7 @@ def test_a_gpu_process_in_a_pod_without_a_lease_is_reported_with_its_pod(cluster
 
 # -- reclaim -------------------------------------------------------------------------------------
 def test_an_idle_kernel_is_checkpointed_across_the_namespace_for_a_claim_waiting_on_its_node(cluster):
+    only_once(cluster)
     hub = cluster.hub
     first, second = cluster.kernels["alice-1"], cluster.kernels["alice-2"]
     second_lease = cluster.lease("node-b", second.id)
