@@ -1057,8 +1057,8 @@ def test_the_hook_reports_a_loss_it_sees_first_and_binds_the_new_gpu(shell, prov
         devices=[],
         reason=f"GPU 0 ({UUIDS[0]}) was lost; the kernel's GPU state on it is gone",
     )
-    agent._lease_at -= 3600  # the cached lease is old: the hook reads it again
-    agent._lease["state"] = "idle"
+    cached = agent.leases.view()  # the cached lease is old: the hook reads it again
+    agent.leases.set({**cached.lease, "state": "idle"}, read_at=cached.read_at - 3600)
     assert run(shell, "b = 2").success
     texts = shown.texts
     lost = next(i for i, t in enumerate(texts) if t.startswith("GPU lost: GPU 0"))

@@ -31,12 +31,13 @@ from .binding import Binding
 from .claims import Claims, WaitCancelled
 from .client import Client, GPUSchedError, NoServerError
 from .hooks import AUTO_RETRY_AFTER, CellNotRun, Hooks
+from .lease import LeaseCache
 from .limits import Keeper
 from .output import DisplayFn
 from .output import ipython_display as _ipython_display
 from .output import say as _show
 from .settings import ENV_BIND, ENV_GPUS, ENV_MEMORY, ENV_MODE, ENV_POLL, MODES, Settings
-from .states import DISRUPTIVE_STEPS, HOLDING, LIVE, LeaseState
+from .states import DISRUPTIVE_STEPS, LIVE, LeaseState
 from .watcher import WATCH_FAILURES_BEFORE_NOTICE, Watcher
 
 # Names the magics, the Python API and the tests import from here, wherever they live now.
@@ -101,12 +102,10 @@ class Agent:
         #: Claim requests while waiting are at least this many seconds apart.
         self.min_poll_gap = 1.0
 
+        #: Guards finding the server (the lease has its own lock, in the cache).
         self._lock = threading.RLock()
-        self._lease: dict | None = None
-        self._lease_at = float("-inf")
-        self._had_lease = False
-        self._released_by_me: set[str] = set()
-        self._user_released = False
+        #: The lease as last read, and what this kernel did to it (shared with the watcher thread).
+        self.leases = LeaseCache(clock)
         self._parent: Any = None
         self._no_scheduler: str | None = None
         self._said_no_scheduler = False
@@ -172,25 +171,11 @@ class Agent:
     @property
     def lease(self) -> dict | None:
         """The last known lease of this kernel (may be a few seconds old)."""
-        with self._lock:
-            return dict(self._lease) if self._lease else None
+        return self.leases.lease
 
-    def _set_lease(self, lease: dict | None) -> None:
-        with self._lock:
-            self._lease = dict(lease) if lease else None
-            self._lease_at = self.clock()
-            if lease and lease.get("state") in HOLDING:
-                self._had_lease = True
-
-    def _mark_withdrawn(self, ids: list[str]) -> None:
-        """The cached lease, if among ``ids``, was withdrawn by the user (its time stays)."""
-        with self._lock:
-            if self._lease and self._lease.get("id") in ids:
-                self._lease = {**self._lease, "state": LeaseState.RELEASED.value, "reason": "withdrawn by the user"}
-
-    def _pick(self, leases: list[dict], previous: dict | None) -> dict | None:
+    @staticmethod
+    def _pick(leases: list[dict], previous: dict | None, kid: str | None) -> dict | None:
         """This kernel's lease in a list from the server; a vanished known lease is released."""
-        kid = self.client.kernel_id
         mine = render.my_lease(leases, kid)
         if mine is not None:
             return mine
@@ -210,12 +195,13 @@ class Agent:
 
     def refresh(self) -> dict | None:
         """Read this kernel's lease from the server (``GET api/gpusched/leases?kernel_id=``)."""
-        leases = self.client.leases(self.client.kernel_id)
-        known = self._lease
+        kid = self.client.kernel_id
+        leases = self.client.leases(kid)
+        known = self.leases.lease
         if (
             known is not None
             and known.get("state") in LIVE
-            and render.my_lease(leases, self.client.kernel_id) is None
+            and render.my_lease(leases, kid) is None
             and not any(le.get("id") == known.get("id") for le in leases)
         ):
             # A lease that ended is no longer listed: read it, so that the notice says why it
@@ -224,10 +210,7 @@ class Agent:
                 leases = [*leases, self.client.lease(str(known.get("id")))]
             except GPUSchedError:
                 pass
-        with self._lock:
-            previous = self._lease
-            lease = self._pick(leases, previous)
-            self._set_lease(lease)
+        previous, lease = self.leases.replace(lambda previous: self._pick(leases, previous, kid))
         # Whoever reads the lease first (the watcher, the hook, a magic) reports what changed.
         self.watcher.report(previous, lease)
         return self.lease
@@ -242,8 +225,8 @@ class Agent:
         touch CUDA before its state is restored (on a real GPU, a CUDA call from a checkpointed
         process can crash it), so a holding lease is never taken from the cache.
         """
-        with self._lock:
-            lease, age = self._lease, self.clock() - self._lease_at
+        view = self.leases.view()
+        lease, age = view.lease, self.clock() - view.read_at
         if not self._connected():
             return lease
         state = lease.get("state") if lease else None
@@ -251,7 +234,7 @@ class Agent:
         if lease is None and fresh:
             return None
         if state == LeaseState.SUSPENDED or (state == LeaseState.RELEASED and fresh):
-            return dict(lease)
+            return lease
         return self.refresh()
 
     # -- output -------------------------------------------------------------------------------

@@ -207,7 +207,7 @@ class Claims:
                     self.cancelled(err, pending_id, progress)
                     raise
                 lease = dict(lease or {})
-                agent._set_lease(lease)
+                agent.leases.set(lease)
                 state = lease.get("state")
                 waited = agent.clock() - start
                 if state in HOLDING:
@@ -254,9 +254,9 @@ class Claims:
         if lease.get("state") != LeaseState.RELEASED:
             return
         # Said here once; the watcher does not tell it again, and the next cell does not ask again.
-        agent._released_by_me.add(pending_id)
-        agent._user_released = True
-        agent._set_lease(dict(lease))
+        agent.leases.note_released(pending_id)
+        agent.leases.user_released = True
+        agent.leases.set(dict(lease))
         text = cancelled_text(lease)
         if progress is not None:
             progress.finish(text)
@@ -283,8 +283,8 @@ class Claims:
             )
             for lease_id in ids:
                 agent.client.release(lease_id)
-                agent._released_by_me.add(lease_id)
-            agent._mark_withdrawn(ids)
+                agent.leases.note_released(lease_id)
+            agent.leases.mark_withdrawn(ids)
         except (GPUSchedError, KeyboardInterrupt) as err:
             return f"Stopped waiting, but the request could not be withdrawn ({err}); run `%gpu release`."
         return "Stopped waiting for a GPU; the request was withdrawn."
@@ -333,7 +333,7 @@ class Claims:
         seconds = wait_seconds(wait)
         previous = agent.refresh()
         resuming = bool(previous and previous.get("state") == LeaseState.SUSPENDED)
-        agent._user_released = False
+        agent.leases.user_released = False
         self.last = {"count": count, "memory": memory_bytes, "mode": mode, "priority": priority}
         try:
             lease, granted, _waited = self.claim(
@@ -404,11 +404,11 @@ class Claims:
         # The server says what this kernel's processes still hold on the lease's GPUs: memory
         # that stays behind when the lease goes, and counts as taken there.
         left = agent.client.release(lease["id"])
-        agent._released_by_me.add(lease["id"])
-        agent._user_released = True
+        agent.leases.note_released(lease["id"])
+        agent.leases.user_released = True
         was = lease.get("state")
         released = {**lease, "state": LeaseState.RELEASED.value, "devices": [], "reason": "released by the user"}
-        agent._set_lease(released)
+        agent.leases.set(released)
         initialized = was in HOLDING and agent.cuda_probe().initialized
         if was in HOLDING:
             agent.binding.unbind()
@@ -469,7 +469,7 @@ class Claims:
         if not lease or lease.get("state") not in LIVE:
             raise GPUSchedError("This kernel holds no GPU to keep; run `%gpu acquire` first.")
         kept = agent.client.keep(lease["id"], seconds)
-        agent._set_lease(kept)
+        agent.leases.set(kept)
         if not quiet:
             if seconds:
                 agent._say(

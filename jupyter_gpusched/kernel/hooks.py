@@ -132,19 +132,19 @@ class Hooks:
             self.resume(lease)
             return
         if state == LeaseState.PENDING:
-            if settings.auto_bind and not agent._user_released:
+            if settings.auto_bind and not agent.leases.user_released:
                 self.acquire_for_cell(params_of(lease), "a GPU")
             return
-        if agent._user_released:
+        if agent.leases.user_released:
             return
-        if state == LeaseState.RELEASED and lease.get("id") not in agent._released_by_me:
+        if state == LeaseState.RELEASED and lease.get("id") not in agent.leases.view().released_by_me:
             agent.binding.unbind()
             self.acquire_for_cell(params_of(lease), "a GPU (the last one was taken back)")
             return
         if state == LeaseState.RELEASED:
             lease = None  # withdrawn by this kernel: as if it never asked
         last = agent.claims.last
-        if lease is None and agent._had_lease and last:
+        if lease is None and agent.leases.had_lease and last:
             self.acquire_for_cell(last, "a GPU (the last one was taken back)")
             return
         if lease is None and settings.lazy:
@@ -255,6 +255,6 @@ class Hooks:
         has never held a lease (``None``: it makes none by itself)."""
         agent = self.agent
         s = agent.settings
-        if not s.lazy or agent._user_released or agent._had_lease:
+        if not s.lazy or agent.leases.user_released or agent.leases.had_lease:
             return None
         return {"count": s.gpus, "memory": s.memory, "mode": s.mode}

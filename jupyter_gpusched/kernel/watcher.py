@@ -94,12 +94,13 @@ class Watcher:
     def report(self, previous: dict | None, current: dict | None) -> None:
         """Show what changed from ``previous`` to ``current`` (whoever read the lease calls this)."""
         agent = self.agent
+        view = agent.leases.view()
         found = _notices.notices(
             previous,
             current,
             agent.clock(),
-            released_by_me=agent._released_by_me,
-            asks_again=not agent._user_released,
+            released_by_me=view.released_by_me,
+            asks_again=not view.user_released,
         )
         for notice in found:
             self._show(notice, current)
