@@ -550,10 +550,18 @@ async def _choose_broker(count: int, logger: logging.Logger, who: str) -> tuple[
     node = choose_node(summaries, count)
     if node is None:
         answered = sum(1 for s in summaries.values() if s)
-        problems = [f"{name} {report.state}: {report.problem}" for name, report in sorted(reports.items()) if report.state != OK]
+        states: dict[str, int] = {}
+        for report in reports.values():
+            if report.state != OK:
+                states[report.state] = states.get(report.state, 0) + 1
+        others = ", ".join(f"{n} {state}" for state, n in sorted(states.items()))
         why = f"none of the {answered} that answered has {count} GPU(s)" if answered else "none answered"
+        logger.info(
+            "GPU node for %s: none preferred (%d node broker(s), %s%s)", who, len(brokers), why,
+            f"; {others}" if others else "",
+        )
+        problems = [f"{name} {report.state}: {report.problem}" for name, report in sorted(reports.items()) if report.state != OK]
         why = f"{len(brokers)} node broker(s), {why}" + (f"; {'; '.join(problems)}" if problems else "")
-        logger.info("GPU node for %s: none preferred (%s)", who, why)
         return None, _short(why, 600)
     broker = next(b for b in brokers if b.name == node)
     summary = summaries[node] or {}
