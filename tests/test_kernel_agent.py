@@ -386,10 +386,10 @@ def load(shell, *, initialized: bool = False) -> tuple[Agent, Shown]:
     shell.extension_manager.load_extension("jupyter_gpusched")
     agent = agent_mod.get_agent(shell)
     shown = Shown()
-    agent._display = shown
+    agent.output.display = shown
     agent.cuda_probe = lambda: CudaState(initialized, initialized, "injected")
     agent.free_caches = list
-    agent.min_poll_gap = 0.01
+    agent.claims.min_poll_gap = 0.01
     return agent, shown
 
 
@@ -626,7 +626,7 @@ def test_a_background_grant_is_announced_and_bound_at_the_next_cell(shell, provi
 def test_a_limited_wait_that_runs_out_withdraws_the_claim(shell, provisioned):
     provisioned.positions[KERNEL] = [4] * 1000
     agent, _shown = load(shell)
-    agent.long_poll = 0.05
+    agent.claims.long_poll = 0.05
     with pytest.raises(GPUSchedError, match="No GPU became free within") as err:
         agent.acquire(1, wait=0.3)
     assert "position 4" in err.value.message and "withdrawn" in err.value.message
@@ -721,7 +721,7 @@ def test_a_server_refusal_before_a_cell_is_one_line_and_the_cell_still_runs(shel
 def test_status_magic_shows_the_lease_the_gpus_and_the_queue(shell, provisioned, capsys):
     provisioned.add_lease("other", "active", [UUIDS[1]], user="bob", notebook="work/train.ipynb")
     agent, _shown = load(shell)
-    agent._display = agent_mod._ipython_display  # the real display path, printed by the shell
+    agent.output.display = agent_mod._ipython_display  # the real display path, printed by the shell
     run(shell, "a = 1")
     capsys.readouterr()
     run(shell, "%gpu status --all")
@@ -743,7 +743,7 @@ def test_status_all_shows_each_users_recent_usage(shell, provisioned, capsys):
         {"user": "alice", "gpu_hours": 3.04, "quota": 1.0, "held": 0.5},
     ]
     agent, _shown = load(shell)
-    agent._display = agent_mod._ipython_display
+    agent.output.display = agent_mod._ipython_display
     run(shell, "a = 1")
     capsys.readouterr()
     run(shell, "%gpu status --all")
@@ -762,7 +762,7 @@ def test_status_all_shows_each_users_recent_usage(shell, provisioned, capsys):
 
 def test_a_lazy_kernel_says_it_gets_its_gpu_at_its_first_cell(shell, provisioned, capsys):
     agent, _shown = load(shell)
-    agent._display = agent_mod._ipython_display
+    agent.output.display = agent_mod._ipython_display
     run(shell, "%gpu")
     out = capsys.readouterr().out
     assert out.startswith("GPU: at first cell. This kernel asks for its GPU (1 GPU, exclusive) before its first cell runs.")
@@ -776,7 +776,7 @@ def test_a_lazy_kernel_says_it_gets_its_gpu_at_its_first_cell(shell, provisioned
 
 def test_status_says_what_idle_will_do_and_what_a_shared_lease_uses(shell, provisioned, capsys):
     agent, _shown = load(shell)
-    agent._display = agent_mod._ipython_display
+    agent.output.display = agent_mod._ipython_display
     run(shell, "a = 1")
     at = time.time() + 58 * 60 + 20
     provisioned.lease_of().update(

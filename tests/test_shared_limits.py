@@ -155,7 +155,7 @@ def test_the_keeper_sets_then_restores_the_kernels_own_values(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TF_FORCE_GPU_ALLOW_GROWTH", "false")
     agent = _Agent({L.ENV_MPS: ABSENT.to_json()}, [{"uuid": "GPU-a", "memory_total": 80 * GiB}])
-    keeper = L.Keeper(agent)
+    keeper = L.Keeper(agent.environ, agent.client.devices)
     try:
         keeper.apply(_lease())
         assert os.environ["CUPY_GPU_MEMORY_LIMIT"] == str(16 * GiB)
@@ -175,7 +175,8 @@ def test_the_keeper_sets_then_restores_the_kernels_own_values(monkeypatch):
 
 def test_limits_the_provisioner_set_are_not_restored_after_the_lease(monkeypatch):
     monkeypatch.setenv("CUPY_GPU_MEMORY_LIMIT", str(8 * GiB))
-    keeper = L.Keeper(_Agent({L.ENV_LIMITS_SET: "CUPY_GPU_MEMORY_LIMIT"}))
+    agent = _Agent({L.ENV_LIMITS_SET: "CUPY_GPU_MEMORY_LIMIT"})
+    keeper = L.Keeper(agent.environ, agent.client.devices)
     assert keeper.set_at_launch
     keeper.clear()
     assert "CUPY_GPU_MEMORY_LIMIT" not in os.environ
@@ -226,8 +227,7 @@ def test_torch_gets_the_fraction_queued_without_initializing_cuda():
     # A fresh interpreter, so that torch is imported after the hook as in a kernel.
     code = (
         "from jupyter_gpusched.kernel import limits as L\n"
-        "class A: environ = {}\n"
-        "k = L.Keeper(A())\n"
+        "k = L.Keeper({}, list)\n"
         f"k.current = L.Limits({8 * GiB}, ('GPU-a',), ({80 * GiB},))\n"
         "k.install_torch_hook()\n"
         "import torch\n"

@@ -6,11 +6,12 @@ the kernel's lease and shows notices (reclaim countdowns, checkpoints, lost GPUs
 executes code in the kernel: the watcher only reads the server and publishes display messages, so
 the kernel never looks busy because of it.
 
-:class:`Agent` wires the parts: :mod:`.settings` (the kernelspec's defaults), :mod:`.binding`
-(``CUDA_VISIBLE_DEVICES``), :mod:`.limits` (a shared lease's memory share), :mod:`.claims`
-(acquire, wait, release, keep), :mod:`.hooks` (before each cell), :mod:`.watcher` (the polling
-thread) and :mod:`.notices` (what to say about a change). It keeps what they share: the client and
-the last known lease.
+:class:`Agent` builds the parts and installs them: :mod:`.settings` (the kernelspec's defaults),
+:mod:`.lease` (the lease as last read, with its lock, and the reader that fills it), :mod:`.output`
+(where lines go), :mod:`.binding` (``CUDA_VISIBLE_DEVICES``), :mod:`.limits` (a shared lease's
+memory share), :mod:`.claims` (acquire, wait, release, keep), :mod:`.hooks` (before each cell),
+:mod:`.watcher` (the polling thread) and :mod:`.notices` (what to say about a change). Each part
+is handed only what it uses (the client, the cache, ``say``, a clock), never the agent.
 """
 
 from __future__ import annotations
@@ -26,18 +27,16 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from . import cuda as _cuda
-from . import render
 from .binding import Binding
 from .claims import Claims, WaitCancelled
 from .client import Client, GPUSchedError, NoServerError
 from .hooks import AUTO_RETRY_AFTER, CellNotRun, Hooks
-from .lease import LeaseCache
+from .lease import LeaseCache, LeaseReader
 from .limits import Keeper
-from .output import DisplayFn
+from .output import DisplayFn, Output
 from .output import ipython_display as _ipython_display
-from .output import say as _show
 from .settings import ENV_BIND, ENV_GPUS, ENV_MEMORY, ENV_MODE, ENV_POLL, MODES, Settings
-from .states import DISRUPTIVE_STEPS, LIVE, LeaseState
+from .states import DISRUPTIVE_STEPS, LIVE
 from .watcher import WATCH_FAILURES_BEFORE_NOTICE, Watcher
 
 # Names the magics, the Python API and the tests import from here, wherever they live now.
@@ -93,31 +92,85 @@ class Agent:
         self.environ = os.environ if environ is None else environ
         self.settings = settings or Settings.from_environment(self.environ)
         self._client = client
+        #: Replaceable (tests do); the parts call these through the agent.
         self.cuda_probe = cuda_probe
         self.free_caches = free_caches
-        self._display = display or _ipython_display
         self.clock = clock
-        #: Seconds between claim requests while waiting; the server long-polls each one.
-        self.long_poll = min(max(self.settings.poll, 1.0), 30.0)
-        #: Claim requests while waiting are at least this many seconds apart.
-        self.min_poll_gap = 1.0
-
-        #: Guards finding the server (the lease has its own lock, in the cache).
+        #: Guards finding the server.
         self._lock = threading.RLock()
-        #: The lease as last read, and what this kernel did to it (shared with the watcher thread).
-        self.leases = LeaseCache(clock)
-        self._parent: Any = None
         self._no_scheduler: str | None = None
         self._said_no_scheduler = False
         self._installed = False
         self._magics: Any = None
         self.panel_obj: Any = None
 
-        self.limits = Keeper(self)
-        self.binding = Binding(self)
-        self.claims = Claims(self)
-        self.hooks = Hooks(self)
-        self.watcher = Watcher(self)
+        #: Where lines go: the display function and the cell they belong to.
+        self.output = Output(shell, display or _ipython_display)
+        #: The lease as last read, and what this kernel did to it (shared with the watcher thread).
+        self.leases = LeaseCache(self._now)
+        self.limits = Keeper(self.environ, self._devices)
+        self.binding = Binding(self.environ, self.limits, self._probe_cuda, self.say, self.settings.provisioned)
+        self.watcher = Watcher(
+            leases=self.leases,
+            settings=self.settings,
+            read=self.refresh,
+            connected=self._connected,
+            unbind=self.binding.unbind,
+            free_caches=self._free_caches,
+            client=self._get_client,
+            say=self.say,
+            clock=self._now,
+        )
+        self.reader = LeaseReader(
+            client=self._get_client,
+            leases=self.leases,
+            report=self.watcher.report,
+            connected=self._connected,
+            max_age=self._max_age,
+            clock=self._now,
+        )
+        self.claims = Claims(
+            client=self._get_client,
+            leases=self.leases,
+            settings=self.settings,
+            binding=self.binding,
+            refresh=self.refresh,
+            status=self.status,
+            start_watcher=self.start_watcher,
+            say=self.say,
+            display=self.output.show,
+            cuda_probe=self._probe_cuda,
+            free_caches=self._free_caches,
+            clock=self._now,
+        )
+        self.hooks = Hooks(
+            leases=self.leases,
+            claims=self.claims,
+            binding=self.binding,
+            settings=self.settings,
+            current=self.reader.current,
+            refresh=self.refresh,
+            start_watcher=self.start_watcher,
+            note_cell=self.output.note_cell,
+            say=self.say,
+            clock=self._now,
+        )
+
+    # The parts are handed these, so that a replaced clock, probe or client reaches them all.
+    def _now(self) -> float:
+        return self.clock()
+
+    def _probe_cuda(self) -> _cuda.CudaState:
+        return self.cuda_probe()
+
+    def _free_caches(self) -> list[str]:
+        return self.free_caches()
+
+    def _get_client(self) -> Client:
+        return self.client
+
+    def _devices(self) -> Any:
+        return self.client.devices()
 
     # -- identity and transport --------------------------------------------------------------
     @property
@@ -155,9 +208,9 @@ class Agent:
         """Say that this kernel has no GPU scheduler: why, the first time; briefly after that."""
         if not self._said_no_scheduler and self._no_scheduler:
             self._said_no_scheduler = True
-            self._say(f"No GPU scheduler for this kernel, so {what}. {self._no_scheduler}")
+            self.say(f"No GPU scheduler for this kernel, so {what}. {self._no_scheduler}")
         else:
-            self._say(f"No GPU scheduler for this kernel, so {what}.")
+            self.say(f"No GPU scheduler for this kernel, so {what}.")
 
     @property
     def kernel_id(self) -> str | None:
@@ -173,76 +226,19 @@ class Agent:
         """The last known lease of this kernel (may be a few seconds old)."""
         return self.leases.lease
 
-    @staticmethod
-    def _pick(leases: list[dict], previous: dict | None, kid: str | None) -> dict | None:
-        """This kernel's lease in a list from the server; a vanished known lease is released."""
-        mine = render.my_lease(leases, kid)
-        if mine is not None:
-            return mine
-        if previous is not None:
-            for lease in leases:
-                if lease.get("id") == previous.get("id"):
-                    return dict(lease)
-            if previous.get("state") in LIVE:
-                return {
-                    **previous,
-                    "state": LeaseState.RELEASED.value,
-                    "devices": [],
-                    "reason": "the server no longer lists this lease",
-                }
-            return previous
-        return None
-
     def refresh(self) -> dict | None:
         """Read this kernel's lease from the server (``GET api/gpusched/leases?kernel_id=``)."""
-        kid = self.client.kernel_id
-        leases = self.client.leases(kid)
-        known = self.leases.lease
-        if (
-            known is not None
-            and known.get("state") in LIVE
-            and render.my_lease(leases, kid) is None
-            and not any(le.get("id") == known.get("id") for le in leases)
-        ):
-            # A lease that ended is no longer listed: read it, so that the notice says why it
-            # ended (taken back while idle, released from the sidebar) instead of guessing.
-            try:
-                leases = [*leases, self.client.lease(str(known.get("id")))]
-            except GPUSchedError:
-                pass
-        previous, lease = self.leases.replace(lambda previous: self._pick(leases, previous, kid))
-        # Whoever reads the lease first (the watcher, the hook, a magic) reports what changed.
-        self.watcher.report(previous, lease)
-        return self.lease
+        return self.reader.refresh()
 
     def _max_age(self) -> float:
         return max(2 * self.settings.poll, 5.0) if self.watching else self.settings.poll
 
-    def _current(self) -> dict | None:
-        """The lease as the pre-run hook needs it: read fresh while it holds a GPU.
-
-        A lease that held a GPU a moment ago may have been checkpointed since: a cell must not
-        touch CUDA before its state is restored (on a real GPU, a CUDA call from a checkpointed
-        process can crash it), so a holding lease is never taken from the cache.
-        """
-        view = self.leases.view()
-        lease, age = view.lease, self.clock() - view.read_at
-        if not self._connected():
-            return lease
-        state = lease.get("state") if lease else None
-        fresh = age <= self._max_age()
-        if lease is None and fresh:
-            return None
-        if state == LeaseState.SUSPENDED or (state == LeaseState.RELEASED and fresh):
-            return lease
-        return self.refresh()
-
     # -- output -------------------------------------------------------------------------------
-    def _say(
+    def say(
         self, text: str, html_text: str | None = None, display_id: str | None = None, update: bool = False
     ) -> None:
         """Show a line in the cell that is running (or, from the watcher, the last one that ran)."""
-        _show(self._display, self.shell, self._parent, text, html_text, display_id, update)
+        self.output.say(text, html_text, display_id, update)
 
     # -- what the magics and the Python API call ----------------------------------------------
     @property

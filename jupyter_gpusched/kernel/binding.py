@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from . import render
 
 if TYPE_CHECKING:
-    from .agent import Agent
+    from .cuda import CudaState
+    from .limits import Keeper
+    from .output import SayFn
 
 log = logging.getLogger("jupyter_gpusched.kernel")
 
@@ -25,12 +27,26 @@ class Binding:
     """The kernel's ``CUDA_VISIBLE_DEVICES``, kept in step with its lease.
 
     Args:
-        agent: reads its ``cuda_probe``, ``settings`` and ``environ`` and shows lines with ``_say``.
+        environ: the kernel's environment as it started (its own ``CUDA_VISIBLE_DEVICES``).
+        limits: the shared lease's memory share, set and cleared with the binding.
+        cuda_probe: tells whether CUDA is initialized in this process.
+        say: shows a line in the cell.
+        provisioned: the provisioner started the kernel (an unbound one sees no GPU).
     """
 
-    def __init__(self, agent: Agent):
-        self.agent = agent
-        cvd = agent.environ.get("CUDA_VISIBLE_DEVICES")
+    def __init__(
+        self,
+        environ: Mapping[str, str],
+        limits: Keeper,
+        cuda_probe: Callable[[], CudaState],
+        say: SayFn,
+        provisioned: bool,
+    ):
+        self.limits = limits
+        self.cuda_probe = cuda_probe
+        self.say = say
+        self.provisioned = provisioned
+        cvd = environ.get("CUDA_VISIBLE_DEVICES")
         self.original = cvd
         #: What this process's CUDA_VISIBLE_DEVICES was last set to (or found as).
         self.bound: str | None = cvd
@@ -49,16 +65,16 @@ class Binding:
         current = os.environ.get("CUDA_VISIBLE_DEVICES")
         if current == want:
             self.bound = want
-            self.agent.limits.apply(lease)
+            self.limits.apply(lease)
             return None
         if self.warned == want:
             return None
-        state = self.agent.cuda_probe()
+        state = self.cuda_probe()
         if not state.initialized:
             os.environ["CUDA_VISIBLE_DEVICES"] = want
             os.environ["NVIDIA_VISIBLE_DEVICES"] = want
             self.bound = want
-            self.agent.limits.apply(lease)
+            self.limits.apply(lease)
             log.info("bound kernel to %s (lease %s)", want, lease.get("id"))
             if state.loaded:
                 message = (
@@ -66,13 +82,13 @@ class Binding:
                     "already loaded, though not initialized; if CUDA code still cannot see the GPU, "
                     "restart the kernel."
                 )
-                self.agent._say(message)
+                self.say(message)
                 return message
             return None
         if resumed:
             # The restore moved this process's CUDA context; nothing to change or to explain.
             self.bound = want
-            self.agent.limits.apply(lease)
+            self.limits.apply(lease)
             return None
         if current is None:
             where = "with every GPU visible"
@@ -86,17 +102,17 @@ class Binding:
             "restart the kernel to use it."
         )
         self.warned = want
-        self.agent._say(message)
+        self.say(message)
         return message
 
     def unbind(self) -> None:
         """After the lease ended: no limits, and the GPUs hidden again if CUDA has not started on them."""
-        self.agent.limits.clear()
+        self.limits.clear()
         if not self.bound:
             return
-        if self.agent.cuda_probe().initialized:
+        if self.cuda_probe().initialized:
             return
-        value = "" if self.agent.settings.provisioned else self.original
+        value = "" if self.provisioned else self.original
         if value is None:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
             os.environ.pop("NVIDIA_VISIBLE_DEVICES", None)

@@ -8,7 +8,7 @@ leaves the restore queued).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from . import render
@@ -17,7 +17,12 @@ from .settings import MODES
 from .states import HOLDING, LIVE, LeaseState
 
 if TYPE_CHECKING:
-    from .agent import Agent
+    from .binding import Binding
+    from .client import Client
+    from .cuda import CudaState
+    from .lease import LeaseCache
+    from .output import DisplayFn, SayFn
+    from .settings import Settings
 
 
 #: The smallest number the Python API reads as bytes of memory: below it a number is a size
@@ -56,10 +61,21 @@ def cancelled_text(lease: Mapping[str, Any]) -> str:
 
 
 class WaitDisplay:
-    """The live "Waiting for a GPU: position 2 in the queue..." line, updated in place."""
+    """The live "Waiting for a GPU: position 2 in the queue..." line, updated in place.
 
-    def __init__(self, agent: Agent, what: str):
-        self.agent = agent
+    Args:
+        display: ``display(text, html, display_id, update)``.
+        status: the server's status (the leases being taken back, for an estimate).
+        clock: wall-clock seconds.
+        what: what is waited for ("a GPU").
+    """
+
+    def __init__(
+        self, display: DisplayFn, status: Callable[[], Mapping[str, Any] | None], clock: Callable[[], float], what: str
+    ):
+        self._display = display
+        self._status = status
+        self._clock = clock
         self.what = what
         self.display_id: str | None = None
         self.text = ""
@@ -70,18 +86,18 @@ class WaitDisplay:
         self.text = text
         if self.display_id is None:
             self.display_id = f"gpusched-wait-{time.monotonic_ns()}"
-            self.agent._display(text, None, self.display_id, False)
+            self._display(text, None, self.display_id, False)
         else:
-            self.agent._display(text, None, self.display_id, True)
+            self._display(text, None, self.display_id, True)
 
     def update(self, lease: Mapping[str, Any], waited: float) -> None:
         position = lease.get("position")
         where = f"position {position} in the queue" if position else "in the queue"
         try:
-            status = self.agent.client.status() or {}
+            status = self._status() or {}
         except GPUSchedError:
             status = {}
-        soon = reclaim_estimate(status.get("leases") or [], lease, self.agent.clock())
+        soon = reclaim_estimate(status.get("leases") or [], lease, self._clock())
         self.show(
             f"Waiting for {self.what}: {where} (waited {render.format_duration(waited)}). "
             + (f"{soon} " if soon else "")
@@ -156,18 +172,62 @@ def wait_seconds(wait: object) -> float | None:
 
 
 class Claims:
-    """Claims, releases and keeps for the agent's kernel.
+    """Claims, releases and keeps for the kernel.
 
     Args:
-        agent: the facade: its client, lease cache, binding, watcher and ``_say``.
+        client: the REST client (found on first use).
+        leases: the lease cache.
+        settings: the kernelspec's defaults.
+        binding: points CUDA at a granted lease, and away from a released one.
+        refresh: reads the lease from the server (and reports what changed).
+        status: the server's status as ``%gpu status`` shows it.
+        start_watcher: starts the thread that follows the lease.
+        say: shows a line in the cell.
+        display: ``display(text, html, display_id, update)``, for the wait line.
+        cuda_probe: tells whether CUDA is initialized in this process.
+        free_caches: empties the frameworks' GPU memory caches; returns which.
+        clock: wall-clock seconds (the server's times are wall-clock).
+        sleep: waits between claim requests.
     """
 
-    def __init__(self, agent: Agent):
-        self.agent = agent
-        #: True while the claim loop runs: it reads the lease itself, so the watcher stays quiet.
-        self.claiming = False
-        #: The last claim made (the hook makes it again when the lease is taken back).
-        self.last: dict[str, Any] | None = None
+    def __init__(
+        self,
+        *,
+        client: Callable[[], Client],
+        leases: LeaseCache,
+        settings: Settings,
+        binding: Binding,
+        refresh: Callable[[], dict | None],
+        status: Callable[[], dict],
+        start_watcher: Callable[[], None],
+        say: SayFn,
+        display: DisplayFn,
+        cuda_probe: Callable[[], CudaState],
+        free_caches: Callable[[], list[str]],
+        clock: Callable[[], float],
+        sleep: Callable[[float], None] = time.sleep,
+    ):
+        self.client = client
+        self.leases = leases
+        self.settings = settings
+        self.binding = binding
+        self.refresh = refresh
+        self.status = status
+        self.start_watcher = start_watcher
+        self.say = say
+        self.display = display
+        self.cuda_probe = cuda_probe
+        self.free_caches = free_caches
+        self.clock = clock
+        self.sleep = sleep
+        #: Seconds between claim requests while waiting; the server long-polls each one.
+        self.long_poll = min(max(settings.poll, 1.0), 30.0)
+        #: Claim requests while waiting are at least this many seconds apart.
+        self.min_poll_gap = 1.0
+
+    def wait_display(self, what: str) -> WaitDisplay:
+        """A live line for a wait for ``what``, updated in place."""
+        return WaitDisplay(self.display, lambda: self.client().status(), self.clock, what)
 
     def claim(
         self,
@@ -185,18 +245,17 @@ class Claims:
 
         Returns ``(lease, granted, seconds waited)``. ``wait`` ``None`` waits without a limit.
         """
-        agent = self.agent
-        client = agent.client
-        start = agent.clock()
+        client = self.client()
+        start = self.clock()
         deadline = None if wait is None else start + wait
         pending_id: str | None = None
-        progress = WaitDisplay(agent, what) if show_wait else None
-        self.claiming = True
+        progress = self.wait_display(what) if show_wait else None
+        self.leases.claiming = True
         first = True
         try:
             while True:
-                remaining = None if deadline is None else max(0.0, deadline - agent.clock())
-                chunk = agent.long_poll if remaining is None else min(agent.long_poll, remaining)
+                remaining = None if deadline is None else max(0.0, deadline - self.clock())
+                chunk = self.long_poll if remaining is None else min(self.long_poll, remaining)
                 if first and show_wait:
                     chunk = 0.0  # learn the queue position at once, to show it while waiting
                 first = False
@@ -207,14 +266,14 @@ class Claims:
                     self.cancelled(err, pending_id, progress)
                     raise
                 lease = dict(lease or {})
-                agent.leases.set(lease)
+                self.leases.set(lease)
                 state = lease.get("state")
-                waited = agent.clock() - start
+                waited = self.clock() - start
                 if state in HOLDING:
                     if progress is not None:
                         # Only a wait that was shown is finished; a claim served at once says nothing here.
                         # Queue time only: a restore's own time is said where the restore is.
-                        queued, _restoring = split_wait(lease, start, agent.clock())
+                        queued, _restoring = split_wait(lease, start, self.clock())
                         after = f" after {render.format_duration(queued)} in the queue" if queued >= 1 else ""
                         progress.finish(f"Got {render.gpu_label(lease)}{after}.")
                     return lease, True, waited
@@ -230,33 +289,32 @@ class Claims:
                     return lease, False, waited
                 if progress is not None:
                     progress.update(lease, waited)
-                gap = agent.min_poll_gap - (time.monotonic() - sent)
+                gap = self.min_poll_gap - (time.monotonic() - sent)
                 if chunk > 0 and gap > 0:  # a server that answers early is not asked in a tight loop
-                    time.sleep(gap)
+                    self.sleep(gap)
         except KeyboardInterrupt:
             message = self.withdraw(pending_id, resuming)
             if progress is not None:
                 progress.finish(message)
             raise WaitCancelled(message) from None
         finally:
-            self.claiming = False
+            self.leases.claiming = False
 
     def cancelled(self, err: GPUSchedError, pending_id: str | None, progress: WaitDisplay | None) -> None:
         """Where the claim waited on was released from outside (the server answers 409 for it),
         raise :class:`ClaimCancelled` saying so in words; anything else is left to the caller."""
         if err.status != 409 or not pending_id:
             return
-        agent = self.agent
         try:
-            lease = agent.client.lease(pending_id)
+            lease = self.client().lease(pending_id)
         except GPUSchedError:
             return
         if lease.get("state") != LeaseState.RELEASED:
             return
         # Said here once; the watcher does not tell it again, and the next cell does not ask again.
-        agent.leases.note_released(pending_id)
-        agent.leases.user_released = True
-        agent.leases.set(dict(lease))
+        self.leases.note_released(pending_id)
+        self.leases.user_released = True
+        self.leases.set(dict(lease))
         text = cancelled_text(lease)
         if progress is not None:
             progress.finish(text)
@@ -270,21 +328,17 @@ class Claims:
                 "Stopped waiting. This kernel's GPU state stays checkpointed and is restored when a "
                 "GPU frees up; run `%gpu release` to drop it instead."
             )
-        agent = self.agent
         try:
+            client = self.client()
             ids = (
                 [pending_id]
                 if pending_id
-                else [
-                    le["id"]
-                    for le in agent.client.leases(agent.client.kernel_id)
-                    if le.get("state") == LeaseState.PENDING
-                ]
+                else [le["id"] for le in client.leases(client.kernel_id) if le.get("state") == LeaseState.PENDING]
             )
             for lease_id in ids:
-                agent.client.release(lease_id)
-                agent.leases.note_released(lease_id)
-            agent.leases.mark_withdrawn(ids)
+                client.release(lease_id)
+                self.leases.note_released(lease_id)
+            self.leases.mark_withdrawn(ids)
         except (GPUSchedError, KeyboardInterrupt) as err:
             return f"Stopped waiting, but the request could not be withdrawn ({err}); run `%gpu release`."
         return "Stopped waiting for a GPU; the request was withdrawn."
@@ -293,7 +347,7 @@ class Claims:
         self, count: object, memory: object, mode: object, priority: object
     ) -> tuple[int, int | None, str, int | None]:
         """Check a claim's arguments, filling in the kernelspec's defaults (ValueError if bad)."""
-        settings = self.agent.settings
+        settings = self.settings
         if count is None:
             count = max(settings.gpus, 1)
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
@@ -328,13 +382,12 @@ class Claims:
         quiet: bool = False,
     ) -> dict:
         """See :meth:`Agent.acquire`."""
-        agent = self.agent
         count, memory_bytes, mode, priority = self.params(count, memory, mode, priority)
         seconds = wait_seconds(wait)
-        previous = agent.refresh()
+        previous = self.refresh()
         resuming = bool(previous and previous.get("state") == LeaseState.SUSPENDED)
-        agent.leases.user_released = False
-        self.last = {"count": count, "memory": memory_bytes, "mode": mode, "priority": priority}
+        self.leases.user_released = False
+        self.leases.last_claim = {"count": count, "memory": memory_bytes, "mode": mode, "priority": priority}
         try:
             lease, granted, _waited = self.claim(
                 count, memory_bytes, mode, priority, seconds, resuming=resuming, show_wait=show_wait
@@ -345,19 +398,19 @@ class Claims:
             if err.status != 409:
                 raise
             raise GPUSchedError(self.conflict(err), err.status, err.reason) from None
-        agent.start_watcher()
+        self.start_watcher()
         if granted:
-            agent.binding.ensure(lease, resumed=resuming)
+            self.binding.ensure(lease, resumed=resuming)
             if not quiet:
                 verb = "Restored this kernel's GPU state onto" if resuming else "This kernel holds"
-                agent._say(
+                self.say(
                     f"{verb} {render.gpu_label(lease)} ({render.uuid_list(render.device_uuids(lease))})."
                 )
             return lease
         position = lease.get("position")
         if seconds == 0:
             if not quiet:
-                agent._say(
+                self.say(
                     f"No GPU is free now: this kernel is at position {position or '?'} in the queue. "
                     "It gets the GPU when one frees up and uses it from the next cell on."
                 )
@@ -371,7 +424,7 @@ class Claims:
     def conflict(self, err: GPUSchedError) -> str:
         """The server's 409 in terms of this kernel's own lease, where it has one."""
         try:
-            lease = self.agent.refresh()
+            lease = self.refresh()
         except GPUSchedError:
             return err.message
         state = lease.get("state") if lease else None
@@ -394,24 +447,23 @@ class Claims:
 
     def release(self, *, quiet: bool = False, free: bool = False) -> dict | None:
         """See :meth:`Agent.release`."""
-        agent = self.agent
-        lease = agent.refresh()
-        frameworks = agent.free_caches() if free else []
+        lease = self.refresh()
+        frameworks = self.free_caches() if free else []
         if not lease or lease.get("state") not in LIVE:
             if not quiet:
-                agent._say(self.no_lease_text(free, frameworks))
+                self.say(self.no_lease_text(free, frameworks))
             return None
         # The server says what this kernel's processes still hold on the lease's GPUs: memory
         # that stays behind when the lease goes, and counts as taken there.
-        left = agent.client.release(lease["id"])
-        agent.leases.note_released(lease["id"])
-        agent.leases.user_released = True
+        left = self.client().release(lease["id"])
+        self.leases.note_released(lease["id"])
+        self.leases.user_released = True
         was = lease.get("state")
         released = {**lease, "state": LeaseState.RELEASED.value, "devices": [], "reason": "released by the user"}
-        agent.leases.set(released)
-        initialized = was in HOLDING and agent.cuda_probe().initialized
+        self.leases.set(released)
+        initialized = was in HOLDING and self.cuda_probe().initialized
         if was in HOLDING:
-            agent.binding.unbind()
+            self.binding.unbind()
         if not quiet:
             if was == LeaseState.PENDING:
                 text = "Withdrew this kernel's request for a GPU."
@@ -428,9 +480,9 @@ class Claims:
                         " CUDA is still initialized in this kernel and may hold memory on it: restart the "
                         "kernel (or free its GPU memory) so that the next holder has the whole GPU."
                     )
-            if agent.settings.auto_bind:
+            if self.settings.auto_bind:
                 text += " This kernel takes no GPU again until you run `%gpu acquire`."
-            agent._say(text)
+            self.say(text)
         return released
 
     def no_lease_text(self, free: bool, frameworks: list[str]) -> str:
@@ -443,10 +495,10 @@ class Claims:
             else "no framework cache to empty (PyTorch and CuPy hold none in it)."
         )
         try:
-            status = self.agent.status()
+            status = self.status()
         except GPUSchedError:
             return text
-        mine = self.agent.client.kernel_id
+        mine = self.client().kernel_id
         held = [
             (dev.get("index"), proc.get("memory_used") or 0)
             for dev in status.get("devices") or []
@@ -463,21 +515,20 @@ class Claims:
 
     def keep(self, duration: float | str = "30m", *, quiet: bool = False) -> dict:
         """See :meth:`Agent.keep`."""
-        agent = self.agent
         seconds = render.parse_duration(duration, "keep")
-        lease = agent.refresh()
+        lease = self.refresh()
         if not lease or lease.get("state") not in LIVE:
             raise GPUSchedError("This kernel holds no GPU to keep; run `%gpu acquire` first.")
-        kept = agent.client.keep(lease["id"], seconds)
-        agent.leases.set(kept)
+        kept = self.client().keep(lease["id"], seconds)
+        self.leases.set(kept)
         if not quiet:
             if seconds:
-                agent._say(
+                self.say(
                     f"{render.gpu_label(kept)} is kept for {render.format_duration(seconds)}: no idle "
                     "reclaim before then."
                 )
             else:
-                agent._say(f"{render.gpu_label(kept)} is no longer kept; idle reclaim applies again.")
+                self.say(f"{render.gpu_label(kept)} is no longer kept; idle reclaim applies again.")
         return kept
 
 

@@ -12,18 +12,22 @@ import logging
 import re
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from IPython.core.error import InputRejected
 
 from . import render
-from .claims import WaitCancelled, WaitDisplay, params_of, split_wait
+from .claims import WaitCancelled, params_of, split_wait
 from .client import GPUSchedError
 from .states import HOLDING, LeaseState, ReclaimStep
 
 if TYPE_CHECKING:
-    from .agent import Agent
+    from .binding import Binding
+    from .claims import Claims
+    from .lease import LeaseCache
+    from .output import SayFn
+    from .settings import Settings
 
 log = logging.getLogger("jupyter_gpusched.kernel")
 
@@ -76,21 +80,54 @@ class Hooks:
     """The pre-run hook and the gate of the agent's shell.
 
     Args:
-        agent: the facade: its settings, lease cache, claims, binding, watcher and ``_say``.
+        leases: the lease cache.
+        claims: makes the claims (and shows the wait line).
+        binding: points CUDA at the lease's GPUs.
+        settings: the kernelspec's defaults.
+        current: the lease as a cell needs it (read fresh while it holds a GPU).
+        refresh: reads the lease from the server.
+        start_watcher: starts the thread that follows the lease.
+        note_cell: a cell starts (the watcher's lines go to it from now on).
+        say: shows a line in the cell.
+        clock: wall-clock seconds.
+        sleep: waits between reads while a checkpoint finishes.
     """
 
-    def __init__(self, agent: Agent):
-        self.agent = agent
+    def __init__(
+        self,
+        *,
+        leases: LeaseCache,
+        claims: Claims,
+        binding: Binding,
+        settings: Settings,
+        current: Callable[[], dict | None],
+        refresh: Callable[[], dict | None],
+        start_watcher: Callable[[], None],
+        note_cell: Callable[[], None],
+        say: SayFn,
+        clock: Callable[[], float],
+        sleep: Callable[[float], None] = time.sleep,
+    ):
+        self.leases = leases
+        self.claims = claims
+        self.binding = binding
+        self.settings = settings
+        self.current = current
+        self.refresh = refresh
+        self.start_watcher = start_watcher
+        self.note_cell = note_cell
+        self.say = say
+        self.clock = clock
+        self.sleep = sleep
         self.gate = Gate(self)
         #: Why the cell being prepared must not run (read once by the gate).
         self.abort: str | None = None
-        #: After a failed automatic claim, no new one before this (the agent's clock).
+        #: After a failed automatic claim, no new one before this (the clock's seconds).
         self.auto_retry_at = 0.0
 
     def pre_run_cell(self, info: Any) -> None:
-        agent = self.agent
         self.abort = None
-        agent._parent = getattr(agent.shell, "parent_header", None) or agent._parent
+        self.note_cell()
         if not getattr(info, "store_history", True):
             return  # tool executions (variable inspectors and such) must not take or restore GPUs
         if manages_gpus_itself(getattr(info, "raw_cell", "") or ""):
@@ -103,10 +140,10 @@ class Hooks:
             self.abort = err.message
         except (GPUSchedError, ValueError) as err:
             text = str(err).rstrip()
-            agent._say(f"GPU scheduler: {text}{'' if text.endswith('.') else '.'} This cell runs without a GPU.")
+            self.say(f"GPU scheduler: {text}{'' if text.endswith('.') else '.'} This cell runs without a GPU.")
         except Exception:
             log.exception("gpusched pre-run hook failed")
-            agent._say("GPU scheduler: an internal error occurred (see the kernel log); this cell runs as is.")
+            self.say("GPU scheduler: an internal error occurred (see the kernel log); this cell runs as is.")
 
     def take_abort(self) -> str | None:
         message, self.abort = self.abort, None
@@ -122,60 +159,58 @@ class Hooks:
 
     def before_cell(self) -> None:
         """Make sure the kernel holds (and is bound to) its lease before a cell runs."""
-        agent = self.agent
-        settings = agent.settings
-        lease, state = self.past_checkpoint(agent._current())
+        settings = self.settings
+        lease, state = self.past_checkpoint(self.current())
+        view = self.leases.view()
         if state in HOLDING:
-            agent.binding.ensure(lease)
+            self.binding.ensure(lease)
             return
         if state == LeaseState.SUSPENDED:
             self.resume(lease)
             return
         if state == LeaseState.PENDING:
-            if settings.auto_bind and not agent.leases.user_released:
+            if settings.auto_bind and not view.user_released:
                 self.acquire_for_cell(params_of(lease), "a GPU")
             return
-        if agent.leases.user_released:
+        if view.user_released:
             return
-        if state == LeaseState.RELEASED and lease.get("id") not in agent.leases.view().released_by_me:
-            agent.binding.unbind()
+        if state == LeaseState.RELEASED and lease.get("id") not in view.released_by_me:
+            self.binding.unbind()
             self.acquire_for_cell(params_of(lease), "a GPU (the last one was taken back)")
             return
         if state == LeaseState.RELEASED:
             lease = None  # withdrawn by this kernel: as if it never asked
-        last = agent.claims.last
-        if lease is None and agent.leases.had_lease and last:
+        last = view.last_claim
+        if lease is None and view.had_lease and last:
             self.acquire_for_cell(last, "a GPU (the last one was taken back)")
             return
         if lease is None and settings.lazy:
-            if agent.clock() < self.auto_retry_at:
+            if self.clock() < self.auto_retry_at:
                 return
             params = {"count": settings.gpus, "memory": settings.memory, "mode": settings.mode, "priority": None}
             self.acquire_for_cell(params, "a GPU")
 
     def acquire_for_cell(self, params: Mapping[str, Any], what: str) -> None:
-        agent = self.agent
-        agent.claims.last = dict(params)
+        self.leases.last_claim = params
         try:
-            lease, granted, _waited = agent.claims.claim(
+            lease, granted, _waited = self.claims.claim(
                 params["count"], params["memory"], params["mode"], params.get("priority"), None, what=what
             )
         except GPUSchedError:
-            self.auto_retry_at = agent.clock() + AUTO_RETRY_AFTER
+            self.auto_retry_at = self.clock() + AUTO_RETRY_AFTER
             raise
-        agent.start_watcher()
+        self.start_watcher()
         if granted:
-            message = agent.binding.ensure(lease)
+            message = self.binding.ensure(lease)
             if message is None:
-                agent._say(
+                self.say(
                     f"This kernel uses {render.gpu_label(lease)} ({render.uuid_list(render.device_uuids(lease))})."
                 )
 
     def await_checkpoint(self, lease: dict) -> dict | None:
         """A checkpoint is under way: it finishes first, then the restore follows."""
-        agent = self.agent
-        progress = WaitDisplay(agent, "the GPU checkpoint to finish before restoring")
-        start = agent.clock()
+        progress = self.claims.wait_display("the GPU checkpoint to finish before restoring")
+        start = self.clock()
         try:
             while (
                 lease
@@ -184,10 +219,10 @@ class Hooks:
             ):
                 progress.show(
                     "This kernel's GPU state is being checkpointed; the restore follows "
-                    f"(waited {render.format_duration(agent.clock() - start)})..."
+                    f"(waited {render.format_duration(self.clock() - start)})..."
                 )
-                time.sleep(min(agent.settings.poll, 1.0))
-                lease = agent.refresh()
+                self.sleep(min(self.settings.poll, 1.0))
+                lease = self.refresh()
         except KeyboardInterrupt:
             progress.finish("Stopped waiting for the checkpoint.")
             raise WaitCancelled(
@@ -198,11 +233,10 @@ class Hooks:
 
     def resume(self, lease: dict) -> None:
         """Restore a checkpointed kernel onto a GPU (waiting for one if need be)."""
-        agent = self.agent
         params = params_of(lease)
-        agent.claims.last = params
+        self.leases.last_claim = params
         try:
-            resumed, granted, waited = agent.claims.claim(
+            resumed, granted, waited = self.claims.claim(
                 params["count"],
                 params["memory"],
                 params["mode"],
@@ -216,13 +250,13 @@ class Hooks:
                 f"This kernel's GPU state is checkpointed and could not be restored: {err} "
                 "Run the cell again to retry."
             ) from None
-        agent.start_watcher()
+        self.start_watcher()
         if granted:
-            agent.binding.ensure(resumed, resumed=True)
+            self.binding.ensure(resumed, resumed=True)
             # The wait line says how long the queue took; this says the restore's own time.
-            now = agent.clock()
+            now = self.clock()
             _queued, restoring = split_wait(resumed, now - waited, now)
-            agent._say(
+            self.say(
                 f"Restored this kernel's GPU state onto {render.gpu_label(resumed)} "
                 f"(the restore took {render.format_duration(restoring)})."
             )
@@ -235,8 +269,7 @@ class Hooks:
         Raises:
             GPUSchedError: the state could not be restored (the server says why).
         """
-        agent = self.agent
-        lease, state = self.past_checkpoint(agent.refresh())
+        lease, state = self.past_checkpoint(self.refresh())
         if state in HOLDING:
             return  # restored already (by the server, or another thread of the cell)
         if state not in (LeaseState.SUSPENDED, LeaseState.PENDING):
@@ -253,8 +286,8 @@ class Hooks:
     def first_cell_claim(self) -> dict | None:
         """The claim the pre-run hook makes before the next cell, for a lazily bound kernel that
         has never held a lease (``None``: it makes none by itself)."""
-        agent = self.agent
-        s = agent.settings
-        if not s.lazy or agent.leases.user_released or agent.leases.had_lease:
+        s = self.settings
+        view = self.leases.view()
+        if not s.lazy or view.user_released or view.had_lease:
             return None
         return {"count": s.gpus, "memory": s.memory, "mode": s.mode}

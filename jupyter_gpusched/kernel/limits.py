@@ -33,12 +33,9 @@ import sys
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .states import HOLDING
-
-if TYPE_CHECKING:
-    from .agent import Agent
 
 log = logging.getLogger("jupyter_gpusched.kernel")
 
@@ -281,14 +278,15 @@ class Keeper:
     """The kernel's limits, kept in step with its lease (owned by the agent).
 
     Args:
-        agent: its ``environ`` (what the provisioner set) and ``client`` (the GPUs' memory).
+        environ: the kernel's environment as it started (what the provisioner set).
+        devices: the server's GPUs (``GET api/gpusched/devices``), for their memory.
     """
 
-    def __init__(self, agent: Agent):
-        self.agent = agent
-        self.mps = MpsInfo.from_environment(agent.environ)
+    def __init__(self, environ: Mapping[str, str], devices: Callable[[], Any]):
+        self._devices = devices
+        self.mps = MpsInfo.from_environment(environ)
         #: What each limit variable was before any lease set it (restored when limits end).
-        ours = {name for name in agent.environ.get(ENV_LIMITS_SET, "").split(",") if name}
+        ours = {name for name in environ.get(ENV_LIMITS_SET, "").split(",") if name}
         #: Whether the provisioner set a lease's limits before the kernel started.
         self.set_at_launch = bool(ours)
         self.original = {name: None if name in ours else os.environ.get(name) for name in LIMIT_VARS}
@@ -349,7 +347,7 @@ class Keeper:
         if lease and lease.get("mode") == "shared" and lease.get("memory"):
             if any(u not in self._totals for u in devices):
                 try:
-                    self._totals.update(totals_of(self.agent.client.devices()))
+                    self._totals.update(totals_of(self._devices()))
                 except Exception as err:  # noqa: BLE001 - without totals JAX's fraction is left out
                     log.warning("could not read the GPUs' memory for the limits: %s", err)
         return {u: self._totals.get(u) for u in devices}

@@ -145,7 +145,7 @@ class GPUMagics(Magics):
             show_all=args.all,
             first_cell=status.get("first_cell"),
         )
-        self.agent._say(text, html_text)
+        self.agent.say(text, html_text)
 
     def _acquire(self, args: argparse.Namespace) -> None:
         wait: object = None

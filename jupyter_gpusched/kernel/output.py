@@ -15,6 +15,8 @@ log = logging.getLogger("jupyter_gpusched.kernel")
 
 #: ``display(text, html, display_id, update)``
 DisplayFn = Callable[[str, "str | None", "str | None", bool], None]
+#: ``say(text, html=None, display_id=None, update=False)``: a line in the cell (see :func:`say`).
+SayFn = Callable[..., None]
 
 
 def ipython_display(
@@ -76,3 +78,32 @@ def cell_context(shell: Any, parent: Any) -> Iterator[None]:
         if token is not None:
             with contextlib.suppress(Exception):
                 pub.reset_thread_parent(token)
+
+
+class Output:
+    """Where the kernel side's lines go: the display function and the cell they belong to.
+
+    Args:
+        shell: the IPython shell (its ``parent_header`` names the running cell).
+        display: ``display(text, html, display_id, update)``; IPython's by default.
+    """
+
+    def __init__(self, shell: Any, display: DisplayFn | None = None):
+        self.shell = shell
+        #: Everything shown goes through this (tests put a recorder here).
+        self.display: DisplayFn = display or ipython_display
+        self._parent: Any = None
+
+    def note_cell(self) -> None:
+        """A cell starts: lines from the watcher thread go to it from now on."""
+        self._parent = getattr(self.shell, "parent_header", None) or self._parent
+
+    def say(
+        self, text: str, html_text: str | None = None, display_id: str | None = None, update: bool = False
+    ) -> None:
+        """Show a line in the cell that is running (or, from the watcher, the last one that ran)."""
+        say(self.display, self.shell, self._parent, text, html_text, display_id, update)
+
+    def show(self, text: str, html_text: str | None, display_id: str | None, update: bool) -> None:
+        """Display ``text`` as it is (a line updated in place, such as the wait line)."""
+        self.display(text, html_text, display_id, update)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import notices as _notices
@@ -18,7 +19,10 @@ from .client import GPUSchedError
 from .notices import COUNTDOWN_ENDS, Notice, NoticeKind
 
 if TYPE_CHECKING:
-    from .agent import Agent
+    from .client import Client
+    from .lease import LeaseCache
+    from .output import SayFn
+    from .settings import Settings
 
 log = logging.getLogger("jupyter_gpusched.kernel")
 
@@ -30,12 +34,40 @@ class Watcher:
     """Polls the kernel's lease every ``settings.poll`` seconds and reports each change.
 
     Args:
-        agent: the facade: its settings, ``refresh``, claims, binding, ``free_caches``, ``clock``
-            and ``_say``.
+        leases: the lease cache (what this kernel released itself; whether a claim loop runs).
+        settings: how often to poll (``poll``).
+        read: reads the lease from the server; the reader reports changes to :meth:`report`.
+        connected: whether talking to the server is expected (without discovering it now).
+        unbind: hides the GPUs of a lease that ended.
+        free_caches: empties the frameworks' GPU memory caches; returns which.
+        client: the REST client, to acknowledge a free-cache step.
+        say: shows a line in the last cell that ran.
+        clock: wall-clock seconds.
     """
 
-    def __init__(self, agent: Agent):
-        self.agent = agent
+    def __init__(
+        self,
+        *,
+        leases: LeaseCache,
+        settings: Settings,
+        read: Callable[[], dict | None],
+        connected: Callable[[], bool],
+        unbind: Callable[[], None],
+        free_caches: Callable[[], list[str]],
+        client: Callable[[], Client],
+        say: SayFn,
+        clock: Callable[[], float],
+    ):
+        self.leases = leases
+        self.settings = settings
+        self.read = read
+        self.connected = connected
+        self.unbind = unbind
+        self.free_caches = free_caches
+        self.client = client
+        self.say = say
+        self.clock = clock
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._failures = 0
@@ -47,10 +79,10 @@ class Watcher:
     # -- the thread ---------------------------------------------------------------------------
     def start(self) -> None:
         """Start the daemon thread that follows this kernel's lease (once)."""
-        with self.agent._lock:
+        with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 return
-            if not self.agent._connected():
+            if not self.connected():
                 return
             self._stop.clear()
             self._thread = threading.Thread(target=self._loop, name="gpusched-watcher", daemon=True)
@@ -68,8 +100,8 @@ class Watcher:
         return self._thread is not None and self._thread.is_alive()
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.agent.settings.poll):
-            if self.agent.claims.claiming:
+        while not self._stop.wait(self.settings.poll):
+            if self.leases.claiming:
                 continue  # the claim loop reads the lease itself and says what it sees
             try:
                 self.watch_once()
@@ -78,27 +110,25 @@ class Watcher:
 
     def watch_once(self) -> None:
         """One poll: read the lease, act on ``free-cache``, show notices about changes."""
-        agent = self.agent
-        if not agent._connected():
+        if not self.connected():
             return
         try:
-            agent.refresh()
+            self.read()
         except GPUSchedError as err:
             self._failures += 1
             if self._failures == WATCH_FAILURES_BEFORE_NOTICE:
-                agent._say(f"GPU scheduler: lost contact ({err}). Notices pause until it answers again.")
+                self.say(f"GPU scheduler: lost contact ({err}). Notices pause until it answers again.")
             return
         self._failures = 0
 
     # -- notices ------------------------------------------------------------------------------
     def report(self, previous: dict | None, current: dict | None) -> None:
         """Show what changed from ``previous`` to ``current`` (whoever read the lease calls this)."""
-        agent = self.agent
-        view = agent.leases.view()
+        view = self.leases.view()
         found = _notices.notices(
             previous,
             current,
-            agent.clock(),
+            self.clock(),
             released_by_me=view.released_by_me,
             asks_again=not view.user_released,
         )
@@ -106,7 +136,7 @@ class Watcher:
             self._show(notice, current)
 
     def _show(self, notice: Notice, current: dict | None) -> None:
-        say = self.agent._say
+        say = self.say
         if notice.kind == NoticeKind.FREE_CACHE:
             if notice.key not in self._freed:
                 self._freed.add(notice.key)
@@ -125,16 +155,16 @@ class Watcher:
         else:
             if notice.unbind:
                 with contextlib.suppress(Exception):
-                    self.agent.binding.unbind()
+                    self.unbind()
             say(notice.text, notice.html, notice.display_id, notice.update)
 
     def _free_caches(self, notice: Notice, lease: dict) -> None:
         """Serve a free-cache request: drop the frameworks' caches, tell the server, say which."""
-        freed = self.agent.free_caches()
+        freed = self.free_caches()
         self._acknowledge(notice.lease_id, freed)
         text = _notices.freed_text(lease, freed)
         if text:
-            self.agent._say(text)
+            self.say(text)
 
     def _acknowledge(self, lease_id: str | None, frameworks: list[str]) -> None:
         """Tell the server the free-cache step is done, so it need not wait polls to assume so.
@@ -145,7 +175,7 @@ class Watcher:
         if not lease_id:
             return
         try:
-            self.agent.client.freed(lease_id, list(frameworks))
+            self.client().freed(lease_id, list(frameworks))
         except GPUSchedError as err:
             log.debug("lease %s: the server took no free-cache acknowledgement (%s)", lease_id, err)
         except Exception:  # noqa: BLE001 - never into the user's cell, never stop the watcher
