@@ -402,7 +402,7 @@ class LocalArbiter(LocalReads, Arbiter):
         for item in verdict.notices:
             self.publish(ArbiterEvent("notice", notice=item))
 
-    # -- what the reclaim executor uses ----------------------------------------------------
+    # -- what the reclaim executor uses (reclaim/host.py, ReclaimHost) --------------------
     def mine(self, lease: Lease) -> bool:
         """Whether ``lease``'s kernel is one of this arbiter's (its reclaims are carried out here)."""
         return self.kernels is not None and self.kernels.alive(lease.kernel_id) is not None

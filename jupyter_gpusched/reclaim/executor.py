@@ -2,9 +2,10 @@
 
 The core decides which step a lease is due for (``core/ladder.py``) and when (``reclaim_at``);
 the arbiter persists that decision. :class:`ReclaimExecutor` then carries the step out and writes
-its outcome through the arbiter (:meth:`~jupyter_gpusched.arbiter.local.LocalArbiter.update`, one
-ledger transaction each). Everything in flight lives here: the steps being carried out, the
-restores under way, and the free-cache requests waiting for the kernel's acknowledgement.
+its outcome through its host, the arbiter: :class:`~.host.ReclaimHost` is all it uses of it
+(:meth:`~.host.ReclaimHost.update` writes a lease, one ledger transaction each). Everything in
+flight lives here: the steps being carried out, the restores under way, and the free-cache
+requests waiting for the kernel's acknowledgement.
 
 Every checkpoint taken is recorded in the ledger before anything else happens, and each is
 restored whatever becomes of its lease (:meth:`restore_orphans`).
@@ -29,7 +30,7 @@ from ..core.lifecycle import lock_timed_out
 from .checkpoint import CheckpointError, CheckpointUnsupported, LockTimeout, RestoreNoRoom
 
 if TYPE_CHECKING:
-    from ..arbiter.local import LocalArbiter
+    from .host import ReclaimHost
 
 log = logging.getLogger("jupyter_gpusched")
 
@@ -40,10 +41,10 @@ _IDLE_RELEASE = "released while idle: the kernel held no GPU memory; its next ce
 
 
 class ReclaimExecutor:
-    """Carries out the reclaim steps the core decided, for the leases of one arbiter."""
+    """Carries out the reclaim steps the core decided, for the leases of one arbiter (its host)."""
 
-    def __init__(self, arbiter: LocalArbiter) -> None:
-        self.arbiter = arbiter
+    def __init__(self, host: ReclaimHost) -> None:
+        self.host = host
         #: Lease ids whose step is being carried out now.
         self.inflight: set[str] = set()
         #: Lease id -> the task restoring its checkpoint onto the GPUs it was just granted.
@@ -74,13 +75,13 @@ class ReclaimExecutor:
     # -- the ladder -----------------------------------------------------------------------------
     def carry_out_due(self, leases: Iterable[Lease]) -> None:
         """Start the step of every reclaiming lease of this host whose ``reclaim_at`` has come."""
-        now = self.arbiter.clock()
+        now = self.host.clock()
         for lease in leases:
             if lease.state != LeaseState.RECLAIMING or lease.reclaim_step is None:
                 continue
             if lease.reclaim_at is not None and lease.reclaim_at > now:
                 continue
-            if lease.id in self.inflight or lease.id in self.cache_asked or not self.arbiter.mine(lease):
+            if lease.id in self.inflight or lease.id in self.cache_asked or not self.host.mine(lease):
                 continue
             self.inflight.add(lease.id)
             self._spawn(self.carry_out(lease))
@@ -102,7 +103,7 @@ class ReclaimExecutor:
             self.inflight.discard(lease.id)
 
     async def _release_idle(self, lease: Lease, step: Step) -> None:
-        done = await self.arbiter.update(lease, _if_still(step, lambda cur, now: core.released(cur, now, _IDLE_RELEASE)))
+        done = await self.host.update(lease, _if_still(step, lambda cur, now: core.released(cur, now, _IDLE_RELEASE)))
         if done is not None:
             self.reclaimed(done, Step.RELEASE, "released", _IDLE_RELEASE, lease.devices)
 
@@ -110,11 +111,11 @@ class ReclaimExecutor:
         """``restart`` or ``shutdown``: the lease is released first, then the kernel goes."""
         verb = "restarted" if step == Step.RESTART else "shut down"
         why = f"reclaimed: the kernel was {verb} to free its GPU: {lease.reason}"
-        done = await self.arbiter.update(lease, _if_still(step, lambda cur, now: core.released(cur, now, why)))
+        done = await self.host.update(lease, _if_still(step, lambda cur, now: core.released(cur, now, why)))
         if done is None:
             return
         self.reclaimed(done, step, "reclaimed", why, lease.devices)
-        kernels = self.arbiter.kernels
+        kernels = self.host.kernels
         if kernels is not None:
             if step == Step.RESTART:
                 await kernels.restart(lease.kernel_id)
@@ -124,8 +125,8 @@ class ReclaimExecutor:
     # -- free-cache: asked of the kernel, acknowledged by it ------------------------------------
     def ask_to_free_cache(self, lease: Lease) -> None:
         """Tell the kernel (its agent watches the lease, and this notice) to drop its caches."""
-        self.cache_asked[lease.id] = self.arbiter.clock()
-        self.arbiter.publish(ArbiterEvent("notice", notice=notice("free_cache", lease, lease.reason)))
+        self.cache_asked[lease.id] = self.host.clock()
+        self.host.publish(ArbiterEvent("notice", notice=notice("free_cache", lease, lease.reason)))
 
     async def cache_freed(self, lease: Lease, frameworks: tuple[str, ...]) -> Lease | None:
         """The kernel says it dropped its caches: the step is done, the ladder goes on from it."""
@@ -137,23 +138,23 @@ class ReclaimExecutor:
             else "the kernel had no framework cache to drop"
         )
         log.info("lease %s of kernel %s: %s", lease.id, lease.kernel_id, why)
-        return await self.arbiter.update(
+        return await self.host.update(
             lease, _if_still(Step.FREE_CACHE, lambda cur, now: core.step_done(cur, Step.FREE_CACHE, why))
         )
 
     async def expire_cache_requests(self) -> None:
         """A kernel that has not answered within ``FREE_CACHE_WAIT``: the ladder goes on without it."""
-        now = self.arbiter.clock()
+        now = self.host.clock()
         for lease_id, asked in list(self.cache_asked.items()):
             if now - asked < FREE_CACHE_WAIT:
                 continue
             del self.cache_asked[lease_id]
-            lease = self.arbiter.live_lease(lease_id)
+            lease = self.host.live_lease(lease_id)
             if lease is None:
                 continue
             why = f"the kernel did not say within {FREE_CACHE_WAIT:.0f} s that it dropped its caches"
             log.info("lease %s of kernel %s: %s", lease.id, lease.kernel_id, why)
-            await self.arbiter.update(
+            await self.host.update(
                 lease, _if_still(Step.FREE_CACHE, lambda cur, now: core.step_done(cur, Step.FREE_CACHE, why))
             )
 
@@ -164,24 +165,24 @@ class ReclaimExecutor:
         The kernel's process tree is what the kernel host found (in hub mode, checked to descend
         from its user's server); a process elsewhere, or on another GPU, is never acted on.
         """
-        arbiter = self.arbiter
-        tree = arbiter.trees.get(lease.kernel_id) or (
-            arbiter.kernels.process_tree(lease.kernel_id) if arbiter.kernels else set()
+        host = self.host
+        tree = host.trees.get(lease.kernel_id) or (
+            host.kernels.process_tree(lease.kernel_id) if host.kernels else set()
         )
         pids = []
-        for device in arbiter.state.snapshot:
+        for device in host.state.snapshot:
             if device.uuid in lease.devices:
                 pids.extend(p.pid for p in device.processes if p.pid in tree)
         return sorted(set(pids))
 
     async def checkpoint(self, lease: Lease) -> None:
-        arbiter = self.arbiter
-        if arbiter.kernels is not None and arbiter.kernels.executing(lease.kernel_id):
+        host = self.host
+        if host.kernels is not None and host.kernels.executing(lease.kernel_id):
             # A cell began after the pass saw the kernel idle: its CUDA calls would meet a
             # checkpointed process. The kernel keeps its GPU; the next pass looks again.
             why = "checkpoint called off: the kernel is running a cell"
             log.info("lease %s of kernel %s: %s", lease.id, lease.kernel_id, why)
-            await arbiter.update(lease, _if_still(Step.CHECKPOINT, lambda cur, now: core.called_off(cur, now, why)))
+            await host.update(lease, _if_still(Step.CHECKPOINT, lambda cur, now: core.called_off(cur, now, why)))
             return
         pids = self.gpu_pids(lease)
         if not pids:
@@ -192,7 +193,7 @@ class ReclaimExecutor:
         over = self.over_budget(lease, pids)
         if over is not None:
             log.info("lease %s of kernel %s: not checkpointed: %s", lease.id, lease.kernel_id, over)
-            await arbiter.update(lease, lambda cur, now: core.step_skipped(cur, Step.CHECKPOINT, over))
+            await host.update(lease, lambda cur, now: core.step_skipped(cur, Step.CHECKPOINT, over))
             return
         taken: list[Checkpoint] = []
         try:
@@ -201,9 +202,9 @@ class ReclaimExecutor:
                 started = procs.started(pid)
                 if started is None:
                     continue
-                moved = await asyncio.to_thread(arbiter.checkpointer.checkpoint, pid)
+                moved = await asyncio.to_thread(host.checkpointer.checkpoint, pid)
                 moved_total += moved or 0
-                record = Checkpoint(pid, started, lease.id, lease.kernel_id, tuple(lease.devices), moved, arbiter.clock())
+                record = Checkpoint(pid, started, lease.id, lease.kernel_id, tuple(lease.devices), moved, host.clock())
                 await asyncio.to_thread(self._record, record)
                 taken.append(record)
         except LockTimeout as exc:
@@ -211,24 +212,24 @@ class ReclaimExecutor:
             log.info("lease %s of kernel %s: %s (%s)", lease.id, lease.kernel_id, why, exc)
             for record in taken:  # put back what was already taken: all or nothing
                 await self.restore_one(record, None, lease)
-            await arbiter.update(lease, _if_still(Step.CHECKPOINT, lambda cur, now: lock_timed_out(cur, now, why)))
+            await host.update(lease, _if_still(Step.CHECKPOINT, lambda cur, now: lock_timed_out(cur, now, why)))
             return
         except CheckpointUnsupported as exc:
             why = self.cannot_serve(lease, exc)
             log.warning("lease %s of kernel %s: not checkpointed: %s (%s)", lease.id, lease.kernel_id, why, exc)
             for record in taken:
                 await self.restore_one(record, None, lease)
-            await arbiter.update(lease, lambda cur, now: core.step_skipped(cur, Step.CHECKPOINT, why))
+            await host.update(lease, lambda cur, now: core.step_skipped(cur, Step.CHECKPOINT, why))
             return
         except CheckpointError as exc:
             why = str(exc)
             log.warning("lease %s of kernel %s: checkpoint failed: %s", lease.id, lease.kernel_id, why)
             for record in taken:  # put back what was already taken: all or nothing
                 await self.restore_one(record, None, lease)
-            await arbiter.update(lease, lambda cur, now: core.step_failed(cur, Step.CHECKPOINT, why))
+            await host.update(lease, lambda cur, now: core.step_failed(cur, Step.CHECKPOINT, why))
             return
         memory = moved_total or held
-        done = await arbiter.update(lease, _if_still(Step.CHECKPOINT, lambda cur, now: core.suspended(cur, now, memory)))
+        done = await host.update(lease, _if_still(Step.CHECKPOINT, lambda cur, now: core.suspended(cur, now, memory)))
         if done is None:
             # The lease changed under us (released meanwhile): put the state back where it was.
             for record in taken:
@@ -248,9 +249,9 @@ class ReclaimExecutor:
         """The checkpointer refused ``lease``'s GPUs for good: the arbiter's capabilities keep
         that, so that no pass takes the checkpoint step there again and every forecast says so.
         Returns why, in words for the user."""
-        arbiter = self.arbiter
+        host = self.host
         uuids = exc.uuids or tuple(lease.devices)
-        by_uuid = {d.uuid: d for d in arbiter.state.snapshot}
+        by_uuid = {d.uuid: d for d in host.state.snapshot}
         refusals = {}
         for uuid in uuids:
             device = by_uuid.get(uuid)
@@ -258,8 +259,8 @@ class ReclaimExecutor:
                 refusals[uuid] = ladder.mig_refusal(device.to_core())
             else:
                 refusals[uuid] = f"the checkpointer cannot serve GPU {device.index if device else uuid}: {exc}"
-        caps = arbiter.caps
-        arbiter.caps = replace(caps, no_checkpoint={**caps.no_checkpoint, **refusals})
+        caps = host.caps
+        host.caps = replace(caps, no_checkpoint={**caps.no_checkpoint, **refusals})
         return refusals[uuids[0]] if uuids else str(exc)
 
     def over_budget(self, lease: Lease, pids: list[int]) -> str | None:
@@ -268,17 +269,17 @@ class ReclaimExecutor:
         its memory cgroup (a pod's limit) leaves it, where the checkpoint would get it killed.
         Sizes are what the processes hold on the lease's GPUs now (the pass decided on the last
         figure seen, which may have grown since)."""
-        arbiter = self.arbiter
+        host = self.host
         sizes: dict[int, int] = {}
-        for device in arbiter.state.snapshot:
+        for device in host.state.snapshot:
             if device.uuid in lease.devices:
                 for p in device.processes:
                     if p.pid in pids:
                         sizes[p.pid] = sizes.get(p.pid, 0) + (p.memory_used or 0)
         size = sum(sizes.values()) or lease.memory_held or 0
-        budget = arbiter.cfg.checkpoint_host_memory
+        budget = host.cfg.checkpoint_host_memory
         if budget is not None:
-            others = checkpoint_bytes(le for le in arbiter.state.leases if le.id != lease.id)
+            others = checkpoint_bytes(le for le in host.state.leases if le.id != lease.id)
             over = ladder.over_budget(replace(lease, memory_held=size), budget - others)
             if over is not None:
                 return over
@@ -292,11 +293,11 @@ class ReclaimExecutor:
         return None
 
     def _record(self, record: Checkpoint) -> None:
-        with self.arbiter.ledger.transaction(self.arbiter.clock()) as tx:
+        with self.host.ledger.transaction(self.host.clock()) as tx:
             tx.add_checkpoint(record)
 
     def _drop(self, record: Checkpoint) -> None:
-        with self.arbiter.ledger.transaction(self.arbiter.clock()) as tx:
+        with self.host.ledger.transaction(self.host.clock()) as tx:
             tx.drop_checkpoint(record.pid, record.create_time)
 
     def start_restore(self, lease: Lease) -> None:
@@ -320,7 +321,7 @@ class ReclaimExecutor:
         try:
             if not procs.same_process(record.pid, record.create_time):
                 return _GONE
-            await asyncio.to_thread(self.arbiter.checkpointer.restore, record.pid, device_map)
+            await asyncio.to_thread(self.host.checkpointer.restore, record.pid, device_map)
             return _RESTORED
         except RestoreNoRoom as exc:
             keep = True
@@ -359,13 +360,13 @@ class ReclaimExecutor:
 
     async def _snapshot(self):
         """The GPUs as they are now (a restore decides on them), or as last seen."""
-        backend = self.arbiter.backend
+        backend = self.host.backend
         if backend is None:
-            return self.arbiter.state.snapshot
+            return self.host.state.snapshot
         try:
             return await asyncio.to_thread(backend.snapshot)
         except InventoryUnavailable:
-            return self.arbiter.state.snapshot
+            return self.host.state.snapshot
 
     def why_not_here(self, lease: Lease, snapshot) -> tuple[dict[str, str] | None, str | None]:
         """The device map for restoring ``lease`` onto the GPUs it was granted, or why it cannot
@@ -379,7 +380,7 @@ class ReclaimExecutor:
                 "by model, as a restore onto other GPUs needs"
             )
         moved = any(old != new for old, new in mapping.items())
-        if moved and not self.arbiter.checkpointer.remap:
+        if moved and not self.host.checkpointer.remap:
             return None, (
                 "waiting for the GPU it was checkpointed from to be free: this server's checkpointer "
                 "cannot restore onto another GPU"
@@ -390,7 +391,7 @@ class ReclaimExecutor:
         """Restore a resumed lease's processes onto the GPUs it was granted, if the checkpoint
         fits there; otherwise it waits again (its checkpoint kept). Whatever happens, the lease
         says so before the claim waiting on it is answered, and nothing escapes this task."""
-        arbiter = self.arbiter
+        host = self.host
         try:
             await self._restore(lease)
         except asyncio.CancelledError:
@@ -404,15 +405,15 @@ class ReclaimExecutor:
                 log.exception("lease %s of kernel %s: could not write that the restore waits", lease.id, lease.kernel_id)
         finally:
             self.restores.pop(lease.id, None)
-            arbiter.wake(lease.id)
+            host.wake(lease.id)
 
     async def _defer(self, lease: Lease, why: str) -> None:
         log.info("lease %s of kernel %s: restore onto %s waits: %s", lease.id, lease.kernel_id, ",".join(lease.devices), why)
-        await self.arbiter.update(lease, _if_granted(lease, lambda cur, now: lifecycle.restore_deferred(cur, now, why)))
+        await self.host.update(lease, _if_granted(lease, lambda cur, now: lifecycle.restore_deferred(cur, now, why)))
 
     async def _restore(self, lease: Lease) -> None:
-        arbiter = self.arbiter
-        records = await asyncio.to_thread(arbiter.ledger.checkpoints, lease.id)
+        host = self.host
+        records = await asyncio.to_thread(host.ledger.checkpoints, lease.id)
         snapshot = await self._snapshot()
         mapping, why = self.why_not_here(lease, snapshot)
         if why is None:
@@ -440,8 +441,8 @@ class ReclaimExecutor:
         if failed:
             why = f"restore failed, the kernel's GPU state is lost (pids {failed})"
             log.error("lease %s of kernel %s: %s", lease.id, lease.kernel_id, why)
-            await arbiter.update(lease, lambda cur, now: core.released(cur, now, why))
-            arbiter.publish(ArbiterEvent("notice", notice=notice("lost", lease, why)))
+            await host.update(lease, lambda cur, now: core.released(cur, now, why))
+            host.publish(ArbiterEvent("notice", notice=notice("lost", lease, why)))
             return
         log.info(
             "lease %s of kernel %s restored onto %s (pids %s)",
@@ -450,20 +451,20 @@ class ReclaimExecutor:
             ",".join(lease.devices),
             [r.pid for r in records],
         )
-        arbiter.publish(ArbiterEvent("notice", notice=notice("resumed", lease, lease.reason)))
+        host.publish(ArbiterEvent("notice", notice=notice("resumed", lease, lease.reason)))
 
     async def _checkpoint_again(self, records: list[Checkpoint], lease: Lease) -> None:
         """Put processes just restored back to the host (their lease waits again)."""
         for record in records:
             try:
-                moved = await asyncio.to_thread(self.arbiter.checkpointer.checkpoint, record.pid)
+                moved = await asyncio.to_thread(self.host.checkpointer.checkpoint, record.pid)
             except CheckpointError as exc:
                 log.error(
                     "lease %s of kernel %s: pid %s was restored but could not be checkpointed again: %s",
                     lease.id, lease.kernel_id, record.pid, exc,
                 )
                 continue
-            again = replace(record, memory=moved if moved is not None else record.memory, taken_at=self.arbiter.clock())
+            again = replace(record, memory=moved if moved is not None else record.memory, taken_at=self.host.clock())
             await asyncio.to_thread(self._record, again)
 
     async def restore_orphans(self) -> None:
@@ -477,11 +478,11 @@ class ReclaimExecutor:
         whose memory others use is not restored into. Until then the checkpoint waits (its
         process stays frozen); a process that ended meanwhile only has its checkpoint forgotten.
         """
-        arbiter = self.arbiter
-        records = await asyncio.to_thread(arbiter.ledger.checkpoints)
+        host = self.host
+        records = await asyncio.to_thread(host.ledger.checkpoints)
         if not records:
             return
-        live = {lease.id: lease for lease in arbiter.state.leases}
+        live = {lease.id: lease for lease in host.state.leases}
         snapshot = None
         for record in records:
             lease = live.get(record.lease_id)
@@ -503,7 +504,7 @@ class ReclaimExecutor:
                         held_by[0].id, held_by[0].kernel_id,
                     )
                 continue
-            gone = arbiter.known_lease(record.lease_id)
+            gone = host.known_lease(record.lease_id)
             owner = gone or lease or _placeholder(record)
             if running:
                 if snapshot is None:
@@ -531,9 +532,9 @@ class ReclaimExecutor:
     def reclaimed(self, lease: Lease, step: Step, kind: str, message: str, devices: Iterable[str] = ()) -> None:
         devices = ",".join(devices) or ",".join(lease.home) or "-"
         log.info("reclaim: lease %s of kernel %s: %s from %s: %s", lease.id, lease.kernel_id, step.value, devices, message)
-        if self.arbiter.metrics is not None:
-            self.arbiter.metrics.reclaimed(step.value)
-        self.arbiter.publish(ArbiterEvent("notice", notice=notice(kind, lease, message)))
+        if self.host.metrics is not None:
+            self.host.metrics.reclaimed(step.value)
+        self.host.publish(ArbiterEvent("notice", notice=notice(kind, lease, message)))
 
 
 def lock_timeout_reason(timeout_ms: int) -> str:
