@@ -109,16 +109,6 @@ class WaitDisplay:
             self.show(text)
 
 
-def params_of(lease: Mapping[str, Any]) -> dict[str, Any]:
-    """The claim that asks for what ``lease`` holds (or held)."""
-    return {
-        "count": int(lease.get("count") or 1),
-        "memory": lease.get("memory"),
-        "mode": lease.get("mode") or "exclusive",
-        "priority": None,
-    }
-
-
 def reclaim_estimate(leases: list, claim: Mapping[str, Any], now: float) -> str:
     """When a GPU is expected for a waiting ``claim``, where a reclaim is already under way
     (``""`` where none is): the claim at position N gets the Nth GPU to be freed, soonest first.

@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any
 from IPython.core.error import InputRejected
 
 from . import render
-from .claims import WaitCancelled, params_of, split_wait
+from .before import Do, Flags, checkpointing, decide, params_of
+from .claims import WaitCancelled, split_wait
 from .client import GPUSchedError
-from .states import HOLDING, LeaseState, ReclaimStep
+from .states import HOLDING, LeaseState
 
 if TYPE_CHECKING:
     from .binding import Binding
@@ -151,44 +152,37 @@ class Hooks:
 
     def past_checkpoint(self, lease: dict | None) -> tuple[dict | None, str | None]:
         """The lease and its state once a checkpoint under way (if any) has landed."""
-        state = lease.get("state") if lease else None
-        if state == LeaseState.RECLAIMING and lease.get("reclaim_step") == ReclaimStep.CHECKPOINT:
+        if checkpointing(lease):
             lease = self.await_checkpoint(lease)
-            state = lease.get("state") if lease else None
-        return lease, state
+        return lease, lease.get("state") if lease else None
+
+    def flags(self) -> Flags:
+        """What the kernel did with its leases, as :func:`.before.decide` reads it."""
+        view = self.leases.view()
+        return Flags(
+            user_released=view.user_released,
+            had_lease=view.had_lease,
+            released_by_me=view.released_by_me,
+            last_claim=view.last_claim,
+            retry_at=self.auto_retry_at,
+        )
 
     def before_cell(self) -> None:
         """Make sure the kernel holds (and is bound to) its lease before a cell runs."""
-        settings = self.settings
-        lease, state = self.past_checkpoint(self.current())
-        view = self.leases.view()
-        if state in HOLDING:
+        lease = self.current()
+        action = decide(lease, self.flags(), self.settings, self.clock())
+        while action.do == Do.WAIT_CHECKPOINT:
+            lease = self.await_checkpoint(lease)
+            action = decide(lease, self.flags(), self.settings, self.clock())
+        log.debug("before the cell: %s (%s)", action.do, action.reason)
+        if action.do == Do.BIND:
             self.binding.ensure(lease)
-            return
-        if state == LeaseState.SUSPENDED:
+        elif action.do == Do.RESUME:
             self.resume(lease)
-            return
-        if state == LeaseState.PENDING:
-            if settings.auto_bind and not view.user_released:
-                self.acquire_for_cell(params_of(lease), "a GPU")
-            return
-        if view.user_released:
-            return
-        if state == LeaseState.RELEASED and lease.get("id") not in view.released_by_me:
-            self.binding.unbind()
-            self.acquire_for_cell(params_of(lease), "a GPU (the last one was taken back)")
-            return
-        if state == LeaseState.RELEASED:
-            lease = None  # withdrawn by this kernel: as if it never asked
-        last = view.last_claim
-        if lease is None and view.had_lease and last:
-            self.acquire_for_cell(last, "a GPU (the last one was taken back)")
-            return
-        if lease is None and settings.lazy:
-            if self.clock() < self.auto_retry_at:
-                return
-            params = {"count": settings.gpus, "memory": settings.memory, "mode": settings.mode, "priority": None}
-            self.acquire_for_cell(params, "a GPU")
+        elif action.do == Do.CLAIM:
+            if action.unbind:
+                self.binding.unbind()
+            self.acquire_for_cell(action.claim or {}, action.what)
 
     def acquire_for_cell(self, params: Mapping[str, Any], what: str) -> None:
         self.leases.last_claim = params
@@ -212,11 +206,7 @@ class Hooks:
         progress = self.claims.wait_display("the GPU checkpoint to finish before restoring")
         start = self.clock()
         try:
-            while (
-                lease
-                and lease.get("state") == LeaseState.RECLAIMING
-                and lease.get("reclaim_step") == ReclaimStep.CHECKPOINT
-            ):
+            while checkpointing(lease):
                 progress.show(
                     "This kernel's GPU state is being checkpointed; the restore follows "
                     f"(waited {render.format_duration(self.clock() - start)})..."
