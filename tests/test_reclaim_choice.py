@@ -291,7 +291,7 @@ async def _settle(s: Scene) -> None:
     import asyncio
 
     for _ in range(100):
-        if not s.arb.reclaims.inflight and not s.arb.reclaims.restores:
+        if not s.arb.reclaims.inflight and not s.arb.reclaims.restoring():
             return
         await asyncio.sleep(0.01)
 

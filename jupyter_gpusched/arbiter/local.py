@@ -558,11 +558,9 @@ class LocalArbiter(LocalReads, Arbiter):
         wait = max(0.0, min(float(wait or 0.0), MAX_WAIT))
         deadline = time.monotonic() + wait
         while True:
-            restore = self.reclaims.restores.get(lease_id)
-            if restore is not None:
-                await asyncio.wait({restore}, timeout=max(0.0, deadline - time.monotonic()) or None)
+            await self.reclaims.restored(lease_id, max(0.0, deadline - time.monotonic()) or None)
             lease = self._find(lease_id)
-            if lease.holding and lease_id not in self.reclaims.restores:
+            if lease.holding and not self.reclaims.restoring(lease_id):
                 status = 200 if how == "existing" else 201
                 return ClaimResult(status, self.render_lease(lease, who))
             if not lease.live:

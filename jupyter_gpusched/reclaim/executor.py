@@ -47,8 +47,9 @@ class ReclaimExecutor:
         self.host = host
         #: Lease ids whose step is being carried out now.
         self.inflight: set[str] = set()
-        #: Lease id -> the task restoring its checkpoint onto the GPUs it was just granted.
-        self.restores: dict[str, asyncio.Task] = {}
+        #: Lease id -> the task restoring its checkpoint onto the GPUs it was just granted
+        #: (asked through :meth:`restoring` and :meth:`restored`).
+        self._restores: dict[str, asyncio.Task] = {}
         #: Lease id -> when its kernel was asked to drop its framework caches.
         self.cache_asked: dict[str, float] = {}
         #: Orphaned checkpoints already said to wait for their GPU (pid, start time, holder).
@@ -56,7 +57,7 @@ class ReclaimExecutor:
         self._tasks: set[asyncio.Task] = set()
 
     async def stop(self) -> None:
-        tasks = list(self._tasks) + list(self.restores.values())
+        tasks = list(self._tasks) + list(self._restores.values())
         for task in tasks:
             task.cancel()
         if tasks:
@@ -64,7 +65,18 @@ class ReclaimExecutor:
 
     def busy(self, lease_id: str) -> bool:
         """Whether a step or a restore of this lease is under way."""
-        return lease_id in self.inflight or lease_id in self.restores
+        return lease_id in self.inflight or lease_id in self._restores
+
+    def restoring(self, lease_id: str | None = None) -> bool:
+        """Whether the restore of this lease (None: of any lease) is under way."""
+        return bool(self._restores) if lease_id is None else lease_id in self._restores
+
+    async def restored(self, lease_id: str, timeout: float | None) -> None:
+        """Wait until the restore of this lease, if one is under way, is over (at most
+        ``timeout`` seconds; None: as long as it takes). Its outcome is the lease's to say."""
+        task = self._restores.get(lease_id)
+        if task is not None:
+            await asyncio.wait({task}, timeout=timeout)
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
@@ -302,7 +314,7 @@ class ReclaimExecutor:
 
     def start_restore(self, lease: Lease) -> None:
         """A suspended lease was granted GPUs again: restore its processes onto them."""
-        self.restores[lease.id] = self._spawn(self.restore(lease))
+        self._restores[lease.id] = self._spawn(self.restore(lease))
 
     async def restore_one(self, record: Checkpoint, device_map: Mapping[str, str] | None, lease: Lease) -> bool:
         """Restore one checkpointed process (if it still runs) and forget its checkpoint.
@@ -404,7 +416,7 @@ class ReclaimExecutor:
             except Exception:  # noqa: BLE001
                 log.exception("lease %s of kernel %s: could not write that the restore waits", lease.id, lease.kernel_id)
         finally:
-            self.restores.pop(lease.id, None)
+            self._restores.pop(lease.id, None)
             host.wake(lease.id)
 
     async def _defer(self, lease: Lease, why: str) -> None:
