@@ -53,8 +53,6 @@ schema of the OpenAPI document before anything reads it: a broker that answers s
 from __future__ import annotations
 
 import asyncio
-import copy
-import functools
 import json
 import logging
 import os
@@ -68,7 +66,19 @@ from typing import Any, Iterable
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 
 from .core.nodes import choose_node
-from .core.nodes import count_problem as _count_problem
+# The pod edits live in podspec.py; their names stay reachable here, where hooks and tests found them.
+from .podspec import (  # noqa: F401
+    AFFINITY_WEIGHT,
+    ENV_BROKER_URL,
+    HOSTNAME_LABEL,
+    _env_of,
+    _notebook_container,
+    add_node_claim,
+    add_preferred_node,
+    is_gpu_pod,
+)
+from .core.nodes import count_problem as _count_problem  # noqa: F401
+from .nodesummary import MAX_ITEMS, MAX_STRING, _short, summary_problem  # noqa: F401
 # The trust rules live in nodetrust.py; their names stay reachable here, where callers found them.
 from .nodetrust import (  # noqa: F401
     _NODE_NAME,
@@ -97,8 +107,6 @@ ENV_TOKEN = "GPUSCHED_API_TOKEN"
 ENV_SCHEME = "GPUSCHED_BROKER_SCHEME"
 #: What a single-user server verifies an https:// broker with (``GPUSchedApp.broker_ca``'s default).
 ENV_SERVER_CA = "JUPYTER_GPUSCHED_BROKER_CA"
-#: A single-user server joins the broker at this URL (``GPUSchedApp.broker_url``'s default).
-ENV_BROKER_URL = "JUPYTER_GPUSCHED_BROKER_URL"
 #: The node whose broker :func:`choose_broker` chose, for the server's environment.
 ENV_NODE = "GPUSCHED_NODE"
 #: GPUs a claim of this server's kernels asks for by default (the kernel side reads it too).
@@ -110,16 +118,10 @@ DEFAULT_PREFIX = "/services/gpusched/"
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 #: The node summary, below a broker's URL.
 NODE_PATH = "api/gpusched/node"
-#: The node label the preferred affinity matches, and the weight of the preference (1-100).
-HOSTNAME_LABEL = "kubernetes.io/hostname"
-AFFINITY_WEIGHT = 100
 #: Seconds the Kubernetes API has to list the broker pods.
 DISCOVERY_TIMEOUT = 5.0
 #: The largest node summary read (bytes); a broker that sends more is broken.
 MAX_SUMMARY_BYTES = 1 << 20
-#: Bounds the schema puts on a summary's strings and lists, where the OpenAPI document sets none.
-MAX_STRING = 1024
-MAX_ITEMS = 4096
 
 
 
@@ -320,56 +322,6 @@ OK = "ok"
 NOT_ANSWERING = "not answering"
 BROKEN = "broken"
 NOT_ASKED = "not asked"
-
-
-# -- is it a node summary -----------------------------------------------------------------------
-def summary_problem(data: Any) -> str | None:
-    """Why ``data`` is not a node summary (None: it is one).
-
-    The schema is the OpenAPI document's (``GET api/gpusched/node``), with bounds on strings and
-    lists; then the counts must be counts and agree (free and reclaimable GPUs among the
-    schedulable ones, those among the devices listed). Fields a newer broker adds are allowed.
-    """
-    from jsonschema.exceptions import best_match
-
-    error = best_match(_summary_validator().iter_errors(data))
-    if error is not None:
-        message, shown = error.message, repr(error.instance)
-        if len(shown) > 60 and message.startswith(shown):  # the value itself may be huge
-            message = _short(shown, 60) + message[len(shown):]
-        where = "/".join(str(part) for part in error.absolute_path)
-        return _short(f"{where}: {message}" if where else message)
-    return _count_problem(data)
-
-
-@functools.lru_cache(maxsize=1)
-def _summary_validator() -> Any:
-    from jsonschema import Draft202012Validator
-
-    from .api.openapi import NODE_SUMMARY
-
-    schema = _bounded(copy.deepcopy(NODE_SUMMARY))
-    Draft202012Validator.check_schema(schema)
-    return Draft202012Validator(schema)
-
-
-def _bounded(schema: dict) -> dict:
-    """``schema`` with a length limit on every string and list that has none."""
-    kinds = schema.get("type")
-    kinds = kinds if isinstance(kinds, list) else [kinds]
-    if "string" in kinds:
-        schema.setdefault("maxLength", MAX_STRING)
-    if "array" in kinds:
-        schema.setdefault("maxItems", MAX_ITEMS)
-    for sub in (schema.get("properties") or {}).values():
-        _bounded(sub)
-    if isinstance(schema.get("items"), dict):
-        _bounded(schema["items"])
-    return schema
-
-
-def _short(text: str, limit: int = 300) -> str:
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 # -- what each node broker says -----------------------------------------------------------------
@@ -587,57 +539,6 @@ def _gpus_wanted(value: Any, logger: logging.Logger) -> int:
 
 
 # -- spawner hooks -----------------------------------------------------------------------------
-def _notebook_container(pod: Any) -> Any:
-    containers = list(getattr(getattr(pod, "spec", None), "containers", None) or ())
-    return next((c for c in containers if getattr(c, "name", None) == "notebook"), containers[0] if containers else None)
-
-
-def _env_of(container: Any) -> dict[str, Any]:
-    """The container's environment: name -> literal value (None for a value from elsewhere)."""
-    return {e.name: e.value for e in (getattr(container, "env", None) or ()) if getattr(e, "name", None)}
-
-
-def is_gpu_pod(pod: Any) -> bool:
-    """Whether ``pod`` is a GPU user's: its notebook container's env sets JUPYTER_GPUSCHED_BROKER_URL.
-
-    The notebook container is the one named ``notebook`` (KubeSpawner's), else the first. A
-    profile that joins its node's broker is the one the broker's GPUs are for; every other pod
-    is left alone.
-    """
-    container = _notebook_container(pod)
-    return container is not None and ENV_BROKER_URL in _env_of(container)
-
-
-def add_preferred_node(pod: Any, node: str, weight: int = AFFINITY_WEIGHT) -> Any:
-    """Add a preferred node affinity for ``node`` to a KubeSpawner pod (a ``V1Pod``), keeping
-    every affinity it has; returns the pod."""
-    from kubernetes_asyncio.client.models import (
-        V1Affinity,
-        V1NodeAffinity,
-        V1NodeSelectorRequirement,
-        V1NodeSelectorTerm,
-        V1PreferredSchedulingTerm,
-    )
-
-    spec = pod.spec
-    if spec.affinity is None:
-        spec.affinity = V1Affinity()
-    if spec.affinity.node_affinity is None:
-        spec.affinity.node_affinity = V1NodeAffinity()
-    node_affinity = spec.affinity.node_affinity
-    terms = list(node_affinity.preferred_during_scheduling_ignored_during_execution or ())
-    terms.append(
-        V1PreferredSchedulingTerm(
-            weight=weight,
-            preference=V1NodeSelectorTerm(
-                match_expressions=[V1NodeSelectorRequirement(key=HOSTNAME_LABEL, operator="In", values=[node])]
-            ),
-        )
-    )
-    node_affinity.preferred_during_scheduling_ignored_during_execution = terms
-    return pod
-
-
 def _user_of(spawner: Any) -> str:
     return str(getattr(getattr(spawner, "user", None), "name", None) or "this user")
 
@@ -672,48 +573,6 @@ async def prefer_gpu_node(spawner: Any, pod: Any) -> Any:
             add_preferred_node(pod, best[0].name)
     except Exception:  # noqa: BLE001 - placing a pod better is never worth failing its spawn
         logger.exception("GPU node for %s: could not choose one; the pod is left as it is", who)
-    return pod
-
-
-def add_node_claim(pod: Any, claim: str, node: str, request: str = "gpus") -> Any:
-    """Make a KubeSpawner pod (a ``V1Pod``) use ``node``'s claim: returns the pod.
-
-    The pod's ``resourceClaims`` names ``claim`` (as ``request``), the notebook container's
-    ``resources.claims`` uses it, and the pod requires ``node`` (``matchFields`` on the node's
-    name, added to every required term it has, so that its own requirements still hold): the node
-    where the scheduler allocates the claim when it is not allocated. Once it is, its allocation
-    keeps the pod on that node anyway.
-    """
-    from kubernetes_asyncio.client.models import (
-        CoreV1ResourceClaim,
-        V1Affinity,
-        V1NodeAffinity,
-        V1NodeSelector,
-        V1NodeSelectorRequirement,
-        V1NodeSelectorTerm,
-        V1PodResourceClaim,
-        V1ResourceRequirements,
-    )
-
-    spec = pod.spec
-    claims = [c for c in (spec.resource_claims or ()) if getattr(c, "name", None) != request]
-    spec.resource_claims = [*claims, V1PodResourceClaim(name=request, resource_claim_name=claim)]
-    container = _notebook_container(pod)
-    if container.resources is None:
-        container.resources = V1ResourceRequirements()
-    uses = [c for c in (container.resources.claims or ()) if getattr(c, "name", None) != request]
-    container.resources.claims = [*uses, CoreV1ResourceClaim(name=request)]
-    if spec.affinity is None:
-        spec.affinity = V1Affinity()
-    if spec.affinity.node_affinity is None:
-        spec.affinity.node_affinity = V1NodeAffinity()
-    affinity = spec.affinity.node_affinity
-    required = affinity.required_during_scheduling_ignored_during_execution
-    on_node = V1NodeSelectorRequirement(key="metadata.name", operator="In", values=[node])
-    terms = list(getattr(required, "node_selector_terms", None) or ()) or [V1NodeSelectorTerm()]
-    for term in terms:  # terms are ORed: the node goes into each
-        term.match_fields = [*(term.match_fields or ()), on_node]
-    affinity.required_during_scheduling_ignored_during_execution = V1NodeSelector(node_selector_terms=terms)
     return pod
 
 
