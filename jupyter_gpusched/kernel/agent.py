@@ -241,15 +241,40 @@ class Agent:
         self.output.say(text, html_text, display_id, update)
 
     # -- what the magics and the Python API call ----------------------------------------------
-    @property
-    def acquire(self) -> Callable[..., dict]:
-        """Ask for GPUs and bind them: :meth:`Claims.acquire <.claims.Claims.acquire>`.
+    def acquire(
+        self,
+        count: int | None = None,
+        memory: int | str | None = None,
+        mode: str | None = None,
+        wait: float | str | bool | None = None,
+        priority: int | None = None,
+        *,
+        show_wait: bool = True,
+        quiet: bool = False,
+    ) -> dict:
+        """Ask for GPUs and bind them (a checkpointed kernel's claim restores its GPU state).
 
-        Returns the lease (``state`` ``pending`` with a ``position`` when ``wait`` was 0 and no
-        GPU was free). Raises GPUSchedError (server refusals, a wait that ran out) or
-        ValueError (bad arguments).
+        Args:
+            count: how many GPUs (default: the kernelspec's, else 1).
+            memory: memory per GPU, a size with its unit (``"16GiB"``) or a number of bytes
+                from 1 MiB up (default: a whole GPU, or the kernelspec's).
+            mode: ``"exclusive"`` or ``"shared"`` (default: the kernelspec's).
+            wait: ``None`` waits without a limit, ``0`` or ``False`` returns at once, a
+                duration (``"10m"``) or a number of seconds waits that long and then withdraws
+                the request.
+            priority: a priority among this user's own claims.
+            show_wait: show the live "Waiting for a GPU: position 2 in the queue" line.
+            quiet: say nothing about the outcome.
+
+        Returns:
+            The lease (``state`` ``pending`` with a ``position`` when ``wait`` was 0 and no GPU
+            was free).
+
+        Raises:
+            GPUSchedError: the server refused, or the wait ran out.
+            ValueError: bad arguments.
         """
-        return self.claims.acquire
+        return self.claims.acquire(count, memory, mode, wait, priority, show_wait=show_wait, quiet=quiet)
 
     def release(self, *, quiet: bool = False, free: bool = False) -> dict | None:
         """Give this kernel's GPUs back now (and withdraw a waiting claim).
