@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 from .. import cgroups, core, procs
 from ..arbiter.base import ArbiterEvent, Conflict, notice
 from ..core import Lease, LeaseState, Step, ladder
-from ..core.ladder import checkpoint_bytes
 from ..core import lifecycle
-from ..core.placement import RESTORE_MARGIN, device_map
+from ..core.placement import device_map
 from ..devices.base import InventoryUnavailable
 from ..ledger import Checkpoint
 from ..core.lifecycle import lock_timed_out
+from . import fit
 from .checkpoint import CheckpointError, CheckpointUnsupported, LockTimeout, RestoreNoRoom
 
 if TYPE_CHECKING:
@@ -181,11 +181,7 @@ class ReclaimExecutor:
         tree = host.trees.get(lease.kernel_id) or (
             host.kernels.process_tree(lease.kernel_id) if host.kernels else set()
         )
-        pids = []
-        for device in host.state.snapshot:
-            if device.uuid in lease.devices:
-                pids.extend(p.pid for p in device.processes if p.pid in tree)
-        return sorted(set(pids))
+        return fit.gpu_pids(lease, host.state.snapshot, tree)
 
     async def checkpoint(self, lease: Lease) -> None:
         host = self.host
@@ -282,27 +278,11 @@ class ReclaimExecutor:
         Sizes are what the processes hold on the lease's GPUs now (the pass decided on the last
         figure seen, which may have grown since)."""
         host = self.host
-        sizes: dict[int, int] = {}
-        for device in host.state.snapshot:
-            if device.uuid in lease.devices:
-                for p in device.processes:
-                    if p.pid in pids:
-                        sizes[p.pid] = sizes.get(p.pid, 0) + (p.memory_used or 0)
-        size = sum(sizes.values()) or lease.memory_held or 0
-        budget = host.cfg.checkpoint_host_memory
-        if budget is not None:
-            others = checkpoint_bytes(le for le in host.state.leases if le.id != lease.id)
-            over = ladder.over_budget(replace(lease, memory_held=size), budget - others)
-            if over is not None:
-                return over
-        for pid, held in sorted(sizes.items()):
-            room = cgroups.memory_room(pid)
-            if room is not None and held > room:
-                return (
-                    f"process {pid}'s {core.format_bytes(held)} of GPU memory would not fit in the "
-                    f"{core.format_bytes(room)} its memory limit (cgroup) leaves it"
-                )
-        return None
+        sizes = fit.held_on_lease(lease, pids, host.state.snapshot)
+        over = fit.over_host_budget(lease, sizes, host.cfg.checkpoint_host_memory, host.state.leases)
+        if over is not None:
+            return over
+        return fit.over_cgroup(sizes, {pid: cgroups.memory_room(pid) for pid in sizes})
 
     def _record(self, record: Checkpoint) -> None:
         with self.host.ledger.transaction(self.host.clock()) as tx:
@@ -351,24 +331,6 @@ class ReclaimExecutor:
         finally:
             if not keep:
                 await asyncio.to_thread(self._drop, record)
-
-    def room_short(self, snapshot, needs: Mapping[str, int]) -> str | None:
-        """Why a restore must wait: a target GPU's free memory (what its processes leave, leased
-        or not) is below what the checkpoint needs there (``needs``: uuid -> bytes, margin
-        included); None where every target has room, or its memory in use is not reported."""
-        by_uuid = {d.uuid: d for d in snapshot}
-        for uuid, need in sorted(needs.items()):
-            device = by_uuid.get(uuid)
-            if device is None or device.memory_used is None:
-                continue
-            free = max(0, device.memory_total - device.memory_used)
-            if need > free:
-                return (
-                    f"waiting for room to restore: GPU {device.index} has {core.format_bytes(free)} free, too little "
-                    f"for its {core.format_bytes(need - RESTORE_MARGIN)} checkpoint (and a "
-                    f"{core.format_bytes(RESTORE_MARGIN)} margin); it is restored once enough memory is free"
-                )
-        return None
 
     async def _snapshot(self):
         """The GPUs as they are now (a restore decides on them), or as last seen."""
@@ -430,7 +392,7 @@ class ReclaimExecutor:
         mapping, why = self.why_not_here(lease, snapshot)
         if why is None:
             live = [r for r in records if procs.same_process(r.pid, r.create_time)]
-            why = self.room_short(snapshot, _restore_needs(lease, live))
+            why = fit.room_short(snapshot, fit.restore_needs(lease, live))
         if why is not None:
             await self._defer(lease, why)
             return
@@ -441,7 +403,7 @@ class ReclaimExecutor:
             if outcome == _NO_ROOM:
                 # All or nothing: the processes already back go back to the host with this one.
                 await self._checkpoint_again(restored, lease)
-                await self._defer(lease, self.room_short(await self._snapshot(), _restore_needs(lease, [record])) or (
+                await self._defer(lease, fit.room_short(await self._snapshot(), fit.restore_needs(lease, [record])) or (
                     "waiting for room to restore: the GPU had too little free memory for its checkpoint when it "
                     "came to it; it is restored once enough memory is free"
                 ))
@@ -521,7 +483,7 @@ class ReclaimExecutor:
             if running:
                 if snapshot is None:
                     snapshot = await self._snapshot()
-                short = self.room_short(snapshot, _orphan_needs(record, owner))
+                short = fit.room_short(snapshot, fit.orphan_needs(record, owner))
                 if short is not None:
                     key = (record.pid, record.create_time, "room")
                     if key not in self._orphans_told:
@@ -582,31 +544,6 @@ def _if_granted(lease: Lease, fn: Callable[[Lease, float], Lease | None]) -> Cal
         return None
 
     return apply
-
-
-def _per_device(total: int, devices: Iterable[str]) -> dict[str, int]:
-    """``total`` bytes spread evenly over ``devices``, each with the restore margin."""
-    devices = list(devices)
-    share = -(-total // max(1, len(devices)))
-    return {uuid: share + RESTORE_MARGIN for uuid in devices}
-
-
-def _restore_needs(lease: Lease, records: list[Checkpoint]) -> dict[str, int]:
-    """Free bytes each GPU granted to ``lease`` needs for its checkpoints ``records``: what they
-    moved where known, else what the lease's kernel held when it was checkpointed."""
-    if not records:
-        return {}
-    sizes = [r.memory for r in records]
-    total = sum(sizes) if all(s is not None for s in sizes) else lease.memory_held
-    if total is None:
-        return {}
-    return _per_device(total, lease.devices)
-
-
-def _orphan_needs(record: Checkpoint, lease: Lease) -> dict[str, int]:
-    """Free bytes each GPU an orphaned checkpoint came from needs to take it back."""
-    total = record.memory if record.memory is not None else lease.memory_held
-    return {} if total is None else _per_device(total, record.devices)
 
 
 def _holders(record: Checkpoint, leases: Iterable[Lease]) -> list[Lease]:
