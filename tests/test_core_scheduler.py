@@ -362,6 +362,97 @@ def test_two_checkpoints_that_do_not_both_fit_the_budget_are_not_both_counted_ge
     assert states == [("reclaiming", "restart"), ("suspended", "None")], "12 GiB of checkpoints do not fit 10 GiB"
 
 
+def test_a_checkpoint_under_way_is_not_joined_by_a_second_one_for_the_same_claim():
+    """bob's 8 GiB checkpoint is under way for alice's claim, and it holds most of the 10 GiB
+    budget; the next pass does not take carol's GPU too."""
+    host = Host(gpus(3), caps=CHECKPOINT, policy="dynamic", idle_timeout=30, contended_idle_timeout=30,
+                grace_period=60, checkpoint_host_memory=10 * GiB, reclaim_fallback="restart")
+    for lease_id, user in (("b", "bob"), ("c", "carol"), ("d", "dave")):
+        host.claim(lease_id, user)
+    host.tick(0)
+    host.kernel("b", memory=8 * GiB)
+    host.kernel("c", memory=2 * GiB)
+    host.kernel("d", busy=True, memory=GiB)
+    host.tick(1)
+    host.at(60).claim("a", "alice")
+    host.tick(60, carry_out=False)
+    assert host["b"].state == LeaseState.RECLAIMING and host["b"].reclaim_step == Step.CHECKPOINT
+    host.tick(62, carry_out=False)
+    assert host["c"].state == LeaseState.IDLE and not host.kinds("c"), "one GPU is enough for one claim"
+
+
+def test_no_restart_is_announced_while_a_checkpoint_under_way_serves_the_claim():
+    host = Host(gpus(2), caps=CHECKPOINT, policy="dynamic", idle_timeout=30, contended_idle_timeout=30,
+                grace_period=60, checkpoint_host_memory=10 * GiB, reclaim_fallback="restart")
+    host.claim("r", "rob")
+    host.claim("g", "gina")
+    host.tick(0)
+    host.kernel("r", memory=12 * GiB)  # more than the budget: only a restart could take it
+    host.kernel("g", busy=True, memory=8 * GiB)
+    host.tick(1)
+    host.kernel("g", memory=8 * GiB)
+    host.tick(2)
+    host.at(60).claim("a", "alice")
+    host.tick(60, carry_out=False)
+    assert host["g"].reclaim_step == Step.CHECKPOINT
+    host.tick(65, carry_out=False)
+    assert host["r"].state == LeaseState.IDLE and "notice" not in host.kinds("r")
+    host.leases["g"] = suspended(host["g"], 66)
+    host.tick(70)
+    assert host["a"].state == LeaseState.ACTIVE and host["r"].state == LeaseState.IDLE
+
+
+def test_the_checkpoint_chosen_for_a_claim_comes_first_out_of_the_budget():
+    """uma's idle lease is past release_timeout (any step) and gus's borrowed one is wanted for
+    alice: the checkpoint alice's claim counted on is not turned into a restart because uma's
+    lease came first in another order."""
+    host = Host(gpus(3), caps=CHECKPOINT, policy="hybrid", quotas={"*": 1}, idle_timeout=30,
+                contended_idle_timeout=30, grace_period=60, release_timeout=100,
+                checkpoint_host_memory=10 * GiB, reclaim_fallback="restart")
+    for lease_id, user in (("bu", "uma"), ("g1", "gus"), ("g2", "gus")):
+        host.claim(lease_id, user)
+        host.tick(0)
+    for lease_id in ("bu", "g1", "g2"):
+        host.kernel(lease_id, busy=True, memory=8 * GiB)
+    host.tick(1)
+    host.kernel("bu", memory=8 * GiB)
+    host.tick(2)
+    host.kernel("g2", memory=8 * GiB)
+    host.tick(50)
+    host.kernel("g1", memory=8 * GiB)
+    host.tick(95)
+    host.at(102).claim("a", "alice")
+    host.tick(102, carry_out=False)
+    assert host["g2"].reclaim_step == Step.CHECKPOINT, host["g2"].reason
+    assert "reclaim" in host.kinds("g2")
+
+
+def test_an_announced_restart_becomes_a_checkpoint_when_the_budget_has_room_again():
+    host = Host(gpus(2), caps=CHECKPOINT, policy="dynamic", idle_timeout=30, contended_idle_timeout=30,
+                grace_period=60, checkpoint_host_memory=10 * GiB, reclaim_fallback="restart")
+    host.claim("s", "sam")
+    host.claim("b", "bob")
+    host.tick(0)
+    host.kernel("s", busy=True, memory=8 * GiB)
+    host.kernel("b", memory=8 * GiB)
+    host.tick(1)
+    host.leases["s"] = suspended(replace(host["s"], state=LeaseState.RECLAIMING, reclaim_step=Step.CHECKPOINT,
+                                         memory_held=8 * GiB), 1)  # sam's 8 GiB checkpoint holds the budget
+    host.claim("d", "dave")  # and dave's running kernel takes sam's GPU
+    host.tick(2)
+    host.kernel("d", busy=True, memory=GiB)
+    host.tick(3)
+    assert host["d"].state == LeaseState.ACTIVE
+    host.at(60).claim("a", "alice")
+    host.tick(60)
+    assert host["b"].reclaim_step == Step.RESTART, host["b"].reason
+    host.release("s")  # sam's kernel ends: its checkpoint leaves the budget
+    host.tick(70)
+    assert host["b"].state == LeaseState.SUSPENDED, host["b"].reason
+    said = [d.reason for d in host.last.decisions if d.lease.id == "b" and d.kind == "reclaim"]
+    assert said and "instead of the restart announced" in said[0], said
+
+
 def test_an_announced_reclaim_is_cancelled_when_the_lease_is_kept():
     host = hybrid_with_a_borrowed_lease(max_keep=7200)
     host.at(20).claim("b", "bob")

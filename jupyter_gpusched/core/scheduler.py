@@ -152,8 +152,10 @@ class _Pass:
         self._room_known = cfg.checkpoint_host_memory is None
         #: Idle leases wanted back only because their step keeps the kernel's state.
         self.gentle_only: set[str] = set()
-        #: Waiting claims this pass serves with steps that keep every kernel's state.
+        #: Waiting claims this pass serves with steps that keep every kernel's state, and the
+        #: leases it takes back for them (their steps come first out of the checkpoint budget).
         self.gently_served: set[str] = set()
+        self.gentle_victims: set[str] = set()
         # Recent usage per subject (core/usage.py); none when usage_half_life is 0.
         self.recent: Mapping[str, float] = recent if recent and cfg.usage_half_life > 0 else {}
         #: The key each claim came out of the fair queue with (for fairness.explain).
@@ -591,12 +593,23 @@ class _Pass:
                     "cancel",
                     reason,
                 )
-        for lease_id in sorted(wanted):
+        # The leases taken back with steps that keep state for a waiting claim take their share
+        # of the checkpoint budget first (victims_for counted on it), then the other claims'.
+        for lease_id in sorted(wanted, key=lambda i: (i not in self.gentle_victims, i)):
             lease = self.leases[lease_id]
             why = wanted[lease_id]
             if lease.state == LeaseState.RECLAIMING:
                 if lease.reclaim_step is not None and not lease.reclaim_step.disruptive:
                     continue  # being carried out; the arbiter reports back
+                step, how = self.step_for(lease, reserve=True)
+                if step is not None and not step.disruptive and step not in lease.tried_steps:
+                    # Announced as a restart or shutdown, but now a step that keeps the kernel's
+                    # state can be taken (room came back in the checkpoint budget): take that.
+                    reason = f"{why}; {how} (instead of the {lease.reclaim_step} announced)"
+                    self.set(
+                        evolve(lease, reclaim_at=self.now, reclaim_step=step, reason=reason), "reclaim", reason
+                    )
+                    continue
                 if lease.reclaim_at is not None and lease.reclaim_at <= self.now:
                     self.set(lease, "reclaim", f"{lease.reclaim_step}: {why}")
                 else:

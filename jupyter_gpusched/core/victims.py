@@ -90,9 +90,16 @@ def victims_for(
     # budget a gentle checkpoint takes is counted here so two of them cannot count on it.
     gentle_room = [p.checkpoint_room()]
 
-    def gentle(lease: Lease) -> bool:
-        step, _ = ladder.choose_step(lease, p.cfg, p.caps, gentle_room[0])
-        return step is not None and not step.disruptive
+    def gentle_step(lease: Lease, room: int | None) -> tuple[Step | None, int | None]:
+        """The step that keeps ``lease``'s state, and the budget left after it (None: none does)."""
+        if lease.state == LeaseState.RECLAIMING and lease.reclaim_step is not None and not lease.reclaim_step.disruptive:
+            return lease.reclaim_step, room  # under way: its checkpoint is already in the budget
+        step, _ = ladder.choose_step(lease, p.cfg, p.caps, room)
+        if step is None or step.disruptive:
+            return None, room
+        if step == Step.CHECKPOINT and room is not None:
+            room -= lease.memory_held or 0
+        return step, room
 
     def pick(claim: Lease, only_gentle: bool):
         picked: list[str] = []
@@ -101,11 +108,9 @@ def victims_for(
             if victim.id in chosen or (not anyone and victim.user != claim.user):
                 continue
             if only_gentle:
-                step, _ = ladder.choose_step(victim, p.cfg, p.caps, room)
-                if step is None or step.disruptive:
+                step, room = gentle_step(victim, room)
+                if step is None:
                     continue
-                if step == Step.CHECKPOINT and room is not None:
-                    room -= victim.memory_held or 0
             picked.append(victim.id)
             placed = fit(claim, picked)
             if placed is not None:
@@ -120,10 +125,10 @@ def victims_for(
         picked: list[str] = []
         placed = fit(claim, ())
         if placed is None:
-            if any(gentle(victim) for _, victim, _ in eligible):
+            gently = False
+            if any(gentle_step(victim, gentle_room[0])[0] is not None for _, victim, _ in eligible):
                 picked, placed = pick(claim, only_gentle=True)
-                if placed is not None:
-                    p.gently_served.add(claim.id)
+                gently = placed is not None
             if placed is None:
                 picked, placed = pick(claim, only_gentle=False)
             if placed is None:
@@ -158,7 +163,11 @@ def victims_for(
                         "and no idle kernel can serve the claim"
                     )
                 chosen[vid] = why
+                if gently:
+                    p.gentle_victims.add(vid)
                 vacate(planned, holding[vid], p.by_uuid)
+            if gently:
+                p.gently_served.add(claim.id)
         occupy(planned, evolve(claim, state=LeaseState.ACTIVE, devices=placed[0]), p.by_uuid)
     return chosen
 
