@@ -105,9 +105,29 @@ def gpu_kernelspec(jp_data_dir):
 
 @pytest.fixture
 def jp_serverapp(jp_serverapp, jp_asyncio_loop):
-    """The test server, with extensions started as ``jupyter server`` starts them."""
+    """The test server, with extensions started as ``jupyter server`` starts them.
+
+    At the end, kernels still starting or restarting (a reclaim's restart that a test does not
+    wait for) are given time to be ready first: the server's shutdown of a kernel whose ``ready``
+    is not done yet raises InvalidStateError in jupyter_client and fails the test's teardown."""
     jp_asyncio_loop.run_until_complete(jp_serverapp.extension_manager.start_all_extensions())
-    return jp_serverapp
+    yield jp_serverapp
+
+    async def settle() -> None:
+        km = jp_serverapp.kernel_manager
+        deadline = time.monotonic() + 30.0
+        for kernel_id in list(km.list_kernel_ids()):
+            try:
+                ready = km.get_kernel(kernel_id).ready
+            except KeyError:
+                continue
+            while not ready.done() and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+
+    try:
+        jp_asyncio_loop.run_until_complete(settle())
+    except Exception:  # noqa: BLE001 - best effort: the server's own cleanup follows
+        pass
 
 
 @pytest.fixture

@@ -301,6 +301,10 @@ class Claims:
             return
         if lease.get("state") != LeaseState.RELEASED:
             return
+        if not str(lease.get("reason") or "").startswith("released by "):
+            # Ended by the server, not by a person (a restore that failed, a GPU lost, the
+            # kernel's process gone): the caller raises the server's own reason.
+            return
         # Said here once; the watcher does not tell it again, and the next cell does not ask again.
         self.leases.note_released(pending_id)
         self.leases.user_released = True
