@@ -195,6 +195,32 @@ async def test_a_wait_cancelled_from_the_sidebar_says_so_in_one_line(jp_fetch, g
     assert not await pending()
 
 
+async def test_a_wait_the_server_ends_says_the_servers_reason_not_a_cancel(
+    jp_fetch, gpu_kernelspec, start_kernel, arbiter
+):
+    gpu_kernelspec("gpu")
+    k1 = await start_kernel("gpu")
+    assert (await k1.execute("x = 1"))["error"] is None  # holds the only GPU
+    k2 = await start_kernel("gpu")
+    waiting = asyncio.ensure_future(k2.execute("%gpu acquire", timeout=60))
+
+    async def pending():
+        code, leases = await api(jp_fetch, "leases", params={"kernel_id": k2.id})
+        return [le for le in leases if le["state"] == "pending"]
+
+    (claim,) = await _until(pending, what="kernel 2 to queue")
+    await asyncio.sleep(1)
+    # The server ends the claim itself (as when the kernel's process is gone, or a restore fails).
+    from jupyter_gpusched import core
+
+    lease = next(le for le in arbiter.state.leases if le.id == claim["id"])
+    await arbiter.update(lease, lambda cur, now: core.released(cur, now, "released: the GPU it waited for was lost"))
+    out = await waiting
+    said = "\n".join(out["display"]) + out["stdout"] + out["stderr"] + str(out["error"] or "")
+    assert "the GPU it waited for was lost" in said, out
+    assert "cancelled" not in said and "GPU sidebar" not in said, said
+
+
 async def test_a_gpu_taken_back_while_idle_says_so(
     jp_fetch, gpu_kernelspec, start_kernel, arbiter, use_clock, monkeypatch
 ):
