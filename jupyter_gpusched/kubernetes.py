@@ -525,6 +525,16 @@ async def _choose_broker(count: int, logger: logging.Logger, who: str) -> tuple[
     return (broker, summary), ""
 
 
+def _gpus_of_pod(pod: Any, logger: logging.Logger, warning: str, who: str) -> int:
+    """The GPUs a GPU pod's claims ask for (its notebook container's env); ``warning`` (with the
+    user's name) is logged where the container also asks for ``nvidia.com/gpu``."""
+    container = _notebook_container(pod)
+    limits = getattr(getattr(container, "resources", None), "limits", None) or {}
+    if "nvidia.com/gpu" in limits:
+        logger.warning(warning, who)
+    return _gpus_wanted(_env_of(container).get(ENV_GPUS), logger)
+
+
 def _gpus_wanted(value: Any, logger: logging.Logger) -> int:
     if value is None or str(value).strip() == "":
         return 1
@@ -560,14 +570,10 @@ async def prefer_gpu_node(spawner: Any, pod: Any) -> Any:
     try:
         if not is_gpu_pod(pod):
             return pod
-        container = _notebook_container(pod)
-        limits = getattr(getattr(container, "resources", None), "limits", None) or {}
-        if "nvidia.com/gpu" in limits:
-            logger.warning(
-                "GPU pod of %s asks for nvidia.com/gpu: those GPUs are the device plugin's, not shared by the node's "
-                "GPU broker (drop the limit from the profile, and set NVIDIA_VISIBLE_DEVICES=all)", who,
-            )
-        count = _gpus_wanted(_env_of(container).get(ENV_GPUS), logger)
+        count = _gpus_of_pod(
+            pod, logger, "GPU pod of %s asks for nvidia.com/gpu: those GPUs are the device plugin's, not shared by "
+            "the node's GPU broker (drop the limit from the profile, and set NVIDIA_VISIBLE_DEVICES=all)", who,
+        )
         best = await _best_broker(count, logger, who)
         if best is not None:
             add_preferred_node(pod, best[0].name)
@@ -607,13 +613,10 @@ async def claim_gpu_node(spawner: Any, pod: Any) -> Any:
     who = _user_of(spawner)
     if not is_gpu_pod(pod):
         return pod
-    container = _notebook_container(pod)
-    limits = getattr(getattr(container, "resources", None), "limits", None) or {}
-    if "nvidia.com/gpu" in limits:
-        logger.warning(
-            "GPU pod of %s asks for nvidia.com/gpu as well as its node's GPU claim: drop the limit from the profile", who
-        )
-    count = _gpus_wanted(_env_of(container).get(ENV_GPUS), logger)
+    count = _gpus_of_pod(
+        pod, logger, "GPU pod of %s asks for nvidia.com/gpu as well as its node's GPU claim: drop the limit from the profile",
+        who,
+    )
     best, why = await _choose_broker(count, logger, who)
     if best is None:
         raise ClaimError(f"No GPU node for {who}'s server: {why}")
