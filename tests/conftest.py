@@ -365,6 +365,8 @@ UNIT_MODULES = frozenset({
     "test_simulate", "test_simulate_checkpoints", "test_simulate_nodes", "test_simulate_users",
     # notices and views
     "test_kernel_notices", "test_kernel_before_cell", "test_viewer_privacy",
+    # the reclaim executor without a server, and its pure parts
+    "test_reclaim_executor_host", "test_reclaim_fit",
     # the kernel side's and the broker's pure parts
     "test_panel", "test_shared_limits", "test_reclaim_choice_kernel", "test_hub_evidence", "test_hub_registry",
 })
