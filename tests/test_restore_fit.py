@@ -121,7 +121,7 @@ async def test_a_restore_waits_while_a_released_kernel_keeps_its_memory_and_runs
 
     # B's kernel ends, its memory with it: A's cell runs with its 60 GiB intact.
     await jp_fetch("api", "kernels", b.id, method="DELETE")
-    await _until(lambda: _free_is(arbiter, 80 * GiB), what="B's memory to go with its kernel")
+    await _until(lambda: _free_is(arbiter, 80 * GiB), timeout=90, what="B's memory to go with its kernel")
     clock.advance(5)
     await arbiter.tick()
     out = await resumed
