@@ -76,6 +76,29 @@ def device_class() -> str:
     return os.environ.get(ENV_DEVICE_CLASS, "").strip() or DEFAULT_DEVICE_CLASS
 
 
+def dra_mode() -> bool:
+    """Whether this process runs in DRA mode (its DeviceClass is configured: the DRA broker
+    DaemonSet and the DRA hub values set ``GPUSCHED_DRA_DEVICE_CLASS``)."""
+    return bool(os.environ.get(ENV_DEVICE_CLASS, "").strip())
+
+
+def claims_by_node(keeper: ClaimKeeper | None = None) -> tuple[dict[str, ClaimState], str | None]:
+    """Every node claim of the namespace by node, for the admin page's cluster view, and why they
+    could not be read (None: they could). Blocking: call it through ``asyncio.to_thread``."""
+    try:
+        states = (keeper or ClaimKeeper()).states()
+    except ClaimError as exc:
+        return {}, str(exc)
+    except ImportError:
+        return {}, "the kubernetes Python client is not installed here (pip install 'jupyter-gpusched[kubernetes]')"
+    except Exception as exc:  # noqa: BLE001 - the page shows why instead of failing
+        status = getattr(exc, "status", None)
+        if isinstance(status, int):  # the API's answer (kubernetes.client.exceptions.ApiException)
+            return {}, f"the GPU claims cannot be listed: {_message(exc)} (HTTP {status})"
+        return {}, f"the GPU claims cannot be listed: {exc or type(exc).__name__}"
+    return {state.node: state for state in states}, None
+
+
 def node_claim(node: str, device_class_name: str | None = None) -> dict:
     """The ResourceClaim for every GPU of ``node`` (``resource.k8s.io/v1``), as the keeper creates it.
 

@@ -255,12 +255,36 @@ def test_a_user_confirms_only_the_release_of_their_own_lease():
     run(scenario())
 
 
-def test_the_admin_page_lists_every_node(tmp_path):
+@pytest.mark.parametrize("dra", [False, True], ids=["device-plugin", "dra"])
+def test_the_admin_page_lists_every_node(tmp_path, monkeypatch, dra):
     """Two real node brokers (test_hub_broker's), sharing the gpusched service's token, and a
-    third that was listed but does not run: node-a's page shows all three."""
+    third that was listed but does not run: node-a's page shows all three. In DRA mode, with a
+    stand-in Kubernetes API (tests/kube_api.py) holding the nodes' claims, it also says what
+    each node's GPU claim is."""
+    from jupyter_gpusched import nodeclaims
     from jupyter_gpusched.api.input import Claim
     from jupyter_gpusched.api.views import Principal
     from test_hub_broker import Setup
+
+    kube = None
+    if dra:
+        from kube_api import KubeAPI
+
+        kube = KubeAPI()
+        kube.start()
+        monkeypatch.setenv("KUBECONFIG", str(kube.kubeconfig(tmp_path / "kubeconfig", namespace="jhub")))
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        monkeypatch.setenv(nodeclaims.ENV_NAMESPACE, "jhub")
+        monkeypatch.setenv(nodeclaims.ENV_DEVICE_CLASS, nodeclaims.DEFAULT_DEVICE_CLASS)
+        for node, on in (("node-a", "node-a"), ("node-b", "node-9")):
+            claim = nodeclaims.node_claim(node)
+            claim["status"] = {"allocation": {
+                "devices": {"results": [{"request": "gpus", "driver": "d", "pool": on, "device": "g0"}]},
+                "nodeSelector": {"nodeSelectorTerms": [
+                    {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [on]}]}
+                ]},
+            }, "reservedFor": [{"resource": "pods", "name": "jupyter-bob", "uid": "1"}]}
+            kube.put(claim, "jhub")
 
     service_token = "gpusched-service-token"
     setups = {}
@@ -300,12 +324,24 @@ def test_the_admin_page_lists_every_node(tmp_path):
             assert "<td>held</td><td>bob</td>" in detail_b and "nobody waits" in detail_b
             assert "<h3>node-a</h3>" in nodes and "<h3>node-c</h3>" not in nodes
 
+            if dra:
+                claims = nodes[nodes.index("<h3>GPU claims</h3>"):]
+                assert ("<tr><td>node-a</td><td class=''>claim gpusched-gpus-node-a: 1 GPU(s) of node node-a, "
+                        "shared by 1 pod(s)</td></tr>") in claims
+                assert re.search(r"<tr><td>node-b</td><td class='warn'>[^<]*allocated on node node-9, not on node node-b", claims)
+                assert re.search(r"<tr><td>node-c</td><td class=''>no GPU claim yet", claims)
+                assert {m for m, _ in kube.requests} == {"GET"}, "the page only reads claims"
+            else:
+                assert "GPU claims" not in nodes
+
             # The cluster view is for hub admins.
             assert "<h2>Nodes</h2>" not in await page("tok-alice")
         finally:
             http.close()
             for setup in setups.values():
                 await setup.close()
+            if kube is not None:
+                kube.stop()
 
     run(scenario())
 
@@ -390,5 +426,40 @@ def test_a_node_that_is_broken_or_not_asked_is_named_so_and_the_page_still_answe
             assert "<h3>node-a</h3>" in text and "<h3>node-b</h3>" not in text and "<script>" not in text
             # A user who is no admin sees no nodes at all.
             assert "<h2>Nodes</h2>" not in (await site.fetch("", token="tok-alice")).body.decode()
+
+    run(scenario())
+
+
+def test_in_dra_mode_the_nodes_section_says_what_each_nodes_gpu_claim_is():
+    device = {"index": 0, "uuid": "GPU-a-0", "name": "Simulated H100 80GB", "memory_total": 80 * 2**30,
+              "health": "ok", "state": "free", "users": []}
+    good = {
+        "node": "node-a", "time": "2025-01-01T00:00:00Z", "policy": "hybrid", "backend": "simulated", "gpus": 1,
+        "free": 1, "reclaimable": 0, "pending": 0, "leases": 0, "devices": [device], "queue": [],
+    }
+    nodes = [
+        {"name": "node-a", "url": None, "this": True, "summary": good,
+         "claim": {"text": "claim gpusched-gpus-node-a: 1 GPU(s) of node node-a, shared by 2 pod(s)", "problem": False}},
+        {"name": "node-b", "url": "http://10.0.0.2:8765/services/gpusched/", "this": False,
+         "summary": {**good, "node": "node-b"},
+         "claim": {"text": "claim gpusched-gpus-node-b is allocated on node node-9, not on node node-b <b>", "problem": True}},
+    ]
+
+    async def cluster():
+        return {"nodes": nodes, "error": None, "claims_error": None}
+
+    async def broken_claims():
+        return {"nodes": nodes, "error": None, "claims_error": "the GPU claims cannot be listed: Forbidden (HTTP 403)"}
+
+    async def scenario():
+        async with Site() as site:
+            site.app.cluster = cluster
+            text = (await site.fetch("")).body.decode()
+            assert "<tr><td>node-a</td><td class=''>claim gpusched-gpus-node-a: 1 GPU(s) of node node-a, shared by 2 pod(s)</td></tr>" in text
+            assert ("<tr><td>node-b</td><td class='warn'>claim gpusched-gpus-node-b is allocated on node node-9, "
+                    "not on node node-b &lt;b&gt;</td></tr>") in text
+            site.app.cluster = broken_claims
+            text = (await site.fetch("")).body.decode()
+            assert "The nodes' GPU claims could not be read: the GPU claims cannot be listed: Forbidden (HTTP 403)" in text
 
     run(scenario())

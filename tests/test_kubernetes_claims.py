@@ -162,3 +162,26 @@ def test_the_namespace_and_the_device_class_come_from_the_environment(api, monke
     keeper.ensure("gpu-1")
     stored = api.claim("gpusched-gpus-gpu-1", "gpu-users")
     assert stored["spec"]["devices"]["requests"][0]["exactly"]["deviceClassName"] == "gpu.example.com"
+
+
+def test_the_admin_page_gets_each_nodes_claim_or_why_the_claims_cannot_be_read(api):
+    from jupyter_gpusched.nodeclaims import claims_by_node
+
+    keeper = ClaimKeeper()
+    keeper.ensure("gpu-1")
+    keeper.ensure("gpu-2")
+    with scheduler() as client:
+        allocate(client, NS, claim_name("gpu-1"), "gpu-1", 4, "jupyter-alice")
+        allocate(client, NS, claim_name("gpu-2"), "gpu-9", 2, "jupyter-bob")
+    claims, error = claims_by_node()
+    assert error is None and set(claims) == {"gpu-1", "gpu-2"}
+    assert claims["gpu-1"].problem is None and "4 GPU(s) of node gpu-1, shared by 1 pod(s)" in claims["gpu-1"].describe()
+    assert "allocated on node gpu-9, not on node gpu-2" in claims["gpu-2"].describe()
+    api.refuse["list"] = 403  # the brokers' Role lacks dra/broker-rbac.yaml
+    claims, error = claims_by_node()
+    assert claims == {} and "403" in error
+    api.refuse.clear()
+    api.served = False
+    claims, error = claims_by_node()
+    assert claims == {} and error
+    assert {m for m, _ in keeper_calls(api) if m != "GET"} == {"POST"}, "the page only reads"

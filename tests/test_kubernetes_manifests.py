@@ -122,10 +122,12 @@ def test_deploy_holds_both_modes_beside_each_other():
     kinds = sorted(doc["kind"] for path in MANIFESTS for doc in documents(path))
     assert kinds == sorted(["ConfigMap", "DaemonSet", "Role", "RoleBinding", "Secret", "Service", "ServiceAccount"])
     assert {p.name for p in DRA.iterdir()} == {
-        "broker-daemonset.yaml", "hub-rbac.yaml", "node-claim.example.yaml", "z2jh-values-dra.yaml"
+        "broker-daemonset.yaml", "broker-rbac.yaml", "hub-rbac.yaml", "node-claim.example.yaml", "z2jh-values-dra.yaml"
     }
     dra_kinds = sorted(doc["kind"] for path in DRA_MANIFESTS for doc in documents(path))
-    assert dra_kinds == sorted(["DaemonSet", "ResourceClaim", "ResourceClaimTemplate", "Role", "RoleBinding"])
+    assert dra_kinds == sorted(
+        ["DaemonSet", "ResourceClaim", "ResourceClaimTemplate", "Role", "RoleBinding", "Role", "RoleBinding"]
+    )
 
 
 @pytest.mark.parametrize(
@@ -195,7 +197,7 @@ def _without_gpu_parts(ds: dict) -> dict:
     spec["nodeSelector"].pop("nvidia.com/gpu.count", None)
     container["resources"]["limits"].pop("nvidia.com/gpu", None)
     container["resources"].pop("claims", None)
-    container["env"] = [e for e in container["env"] if not e["name"].startswith("NVIDIA_")]
+    container["env"] = [e for e in container["env"] if not e["name"].startswith(("NVIDIA_", "GPUSCHED_DRA_"))]
     return ds
 
 
@@ -216,6 +218,9 @@ def test_the_dra_broker_sees_its_nodes_gpus_through_an_admin_access_claim():
                                   "adminAccess": True}
     hub_env = yaml.safe_load(DRA_VALUES.read_text())["hub"]["extraEnv"]
     assert hub_env[nodeclaims.ENV_DEVICE_CLASS] == request["exactly"]["deviceClassName"]
+    # The broker knows the class too: its admin page reads the nodes' claims of that class.
+    broker_env = {e["name"]: e.get("value") for e in container["env"]}
+    assert broker_env[nodeclaims.ENV_DEVICE_CLASS] == request["exactly"]["deviceClassName"]
 
 
 def test_the_node_claim_example_is_the_one_the_hub_creates():
@@ -259,6 +264,12 @@ def test_the_hub_may_get_list_and_create_claims_and_nothing_else():
     # The brokers' Role is unchanged by DRA: read pods only.
     assert resource("Role", "gpusched-broker")["rules"] == [
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    ]
+    # In DRA mode the brokers may also read the claims (for the admin page), and nothing more.
+    binding = resource("RoleBinding", "gpusched-broker-claims", DRA_MANIFESTS)
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "gpusched-broker"}]
+    assert resource("Role", binding["roleRef"]["name"], DRA_MANIFESTS)["rules"] == [
+        {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"], "verbs": ["get", "list"]}
     ]
 
 

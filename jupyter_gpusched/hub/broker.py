@@ -45,7 +45,7 @@ from tornado.netutil import bind_unix_socket
 from traitlets import Bool, Float, Int, TraitError, Unicode, default, validate
 from traitlets.config import Application
 
-from .. import kubernetes, transport
+from .. import kubernetes, nodeclaims, transport
 from .._version import __version__
 from ..arbiter.build import build_local_arbiter
 from ..config import SchedulingConfig
@@ -481,7 +481,18 @@ class GPUBroker(SchedulingConfig, Application):
                 "name": b.name, "url": b.url, "this": False, "summary": report.summary,
                 "state": report.state, "problem": report.problem,
             })
-        return {"nodes": nodes, "error": None}
+        out: dict = {"nodes": nodes, "error": None}
+        if nodeclaims.dra_mode():
+            # DRA mode: each node's GPUs are one ResourceClaim; say what each is, or why it cannot serve.
+            claims, error = await asyncio.to_thread(nodeclaims.claims_by_node)
+            for node in nodes:
+                state = claims.get(node["name"])
+                node["claim"] = (
+                    {"text": state.describe(), "problem": state.problem is not None} if state is not None
+                    else {"text": "no GPU claim yet: the first GPU pod placed on this node creates it", "problem": False}
+                )
+            out["claims_error"] = error
+        return out
 
     async def _upkeep_loop(self) -> None:
         while True:

@@ -156,13 +156,18 @@ class PageHandler(PageBase):
         return self.html_page("GPUs of this host", "".join(parts), refresh=True)
 
     def _nodes(self, cluster: dict) -> list[str]:
-        """The cluster view: one row per node, then each node's GPUs and queue."""
-        rows, details = [], []
+        """The cluster view: one row per node (in DRA mode, each node's GPU claim), then each
+        node's GPUs and queue."""
+        rows, details, claims = [], [], []
         for node in cluster.get("nodes", []):
             if not isinstance(node, dict):
                 continue
             name = _e(node.get("name")) + (" <span class='muted'>(this node)</span>" if node.get("this") else "")
             where = f"<br><code class='muted'>{_e(node.get('url'))}</code>" if node.get("url") else ""
+            claim = node.get("claim")
+            if isinstance(claim, dict):  # DRA mode: the node's GPUs as one ResourceClaim
+                cls = "warn" if claim.get("problem") else ""
+                claims.append(f"<tr><td>{_e(node.get('name'))}</td><td class='{cls}'>{_e(claim.get('text'))}</td></tr>")
             state, why = self._node_state(node)
             if state != kubernetes.OK:
                 because = f": {_e(why)}" if why else ""
@@ -185,12 +190,15 @@ class PageHandler(PageBase):
             rows.append("<tr><td colspan='6' class='muted'>no nodes</td></tr>")
         error = cluster.get("error")
         note = f"<p class='warn'>The other nodes could not be listed: {_e(error)}</p>" if error else ""
+        if cluster.get("claims_error"):
+            note += f"<p class='warn'>The nodes' GPU claims could not be read: {_e(cluster['claims_error'])}</p>"
         return [
             "<h2>Nodes</h2>", note,
             "<table><tr><th>node</th><th>GPUs</th><th>free</th><th>reclaimable</th><th>leases</th>"
             "<th>waiting</th></tr>",
             *rows,
             "</table>",
+            *(["<h3>GPU claims</h3><table><tr><th>node</th><th>claim</th></tr>", *claims, "</table>"] if claims else []),
             *details,
         ]
 
