@@ -383,7 +383,12 @@ def test_a_restart_says_so_in_one_line_and_leaves_no_countdown(lab, page, notebo
     texts = outputs.all_inner_texts()
     assert not [t for t in texts if countdown.search(t)], texts
     assert len([t for t in texts if "restarted" in t]) == 1, texts
-    # JupyterLab shows the kernel as it is: idle, not "Starting".
+    # JupyterLab shows the kernel as it is: once the server has the new kernel idle, the status
+    # bar says Idle, not "Starting" (a restart takes its time on a loaded machine).
+    wait_for(
+        lambda: lab.call("GET", f"api/kernels/{notebooks[TRAIN]}")["execution_state"] == "idle",
+        90, "the server to have the restarted kernel idle",
+    )
     wait_for(lambda: "Idle" in _kernel_status_text(page), 30, "the status bar to show the restarted kernel idle")
     page.screenshot(path=str(shots / "restarted.png"))
     page.keyboard.press("ControlOrMeta+s")
