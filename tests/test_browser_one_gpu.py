@@ -94,7 +94,9 @@ def test_a_claim_that_must_queue_shows_in_the_sidebar_and_status_bar(server, pag
     assert item_text == "GPU: queued #1" and item.get_attribute("data-state") == "pending"
     assert entry.count() == 1
     assert entry.get_attribute("data-position") == "1"
-    assert WAITER in entry.inner_text(), entry.inner_text()
+    # The entry names the notebook by its kernel's session, renamed from Untitled.ipynb just
+    # before: the server may still have the old name for a moment.
+    wait_for(lambda: WAITER in entry.inner_text(), 15, f"the queue entry to name {WAITER}")
     assert "(1)" in panel.locator(".jp-gpusched-Queue .jp-gpusched-Count").inner_text()
     queued = server.status()["queue"]
     assert [q["kernel_id"] for q in queued] == [waiter], queued

@@ -422,7 +422,7 @@ def test_a_server_in_a_pod_is_scheduled_by_its_host_pids(tmp_path):
             # NVML's view (host pids) meets the kernels' trees: the kernel's GPU process is its own.
             await until(
                 lambda: {p.pid for p in app.arbiter.state.snapshot[0].processes} == {hosts["kernel"], hosts["stray"]},
-                30,
+                90,
                 "the GPU processes under their host pids",
             )
             await until(
