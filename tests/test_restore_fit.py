@@ -140,11 +140,6 @@ async def test_a_restore_waits_while_a_released_kernel_keeps_its_memory_and_runs
     _no_task_lost(caplog)
 
 
-async def _free_is(arbiter, free: int) -> bool:
-    snap = await asyncio.to_thread(arbiter.backend.snapshot)
-    return snap[0].memory_total - (snap[0].memory_used or 0) == free
-
-
 def _holder(arbiter, uuid: str, memory: str) -> subprocess.Popen:
     """A process outside Jupyter that holds ``memory`` on the simulated GPU ``uuid``."""
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
