@@ -167,7 +167,9 @@ async def test_gpu_status_and_acquire_show_a_few_readable_lines_and_stay_dicts(
     assert out["stdout"].strip() == "active True 1 active True", out
 
 
-async def test_a_wait_cancelled_from_the_sidebar_says_so_in_one_line(jp_fetch, gpu_kernelspec, start_kernel):
+async def _second_kernel_queues(jp_fetch, gpu_kernelspec, start_kernel):
+    """Kernel 1 holds the only GPU; kernel 2's ``%gpu acquire`` waits in the queue. Returns kernel
+    2, its running cell, its pending claim and a check that lists its pending claims."""
     gpu_kernelspec("gpu")
     k1 = await start_kernel("gpu")
     assert (await k1.execute("x = 1"))["error"] is None  # holds the only GPU
@@ -180,6 +182,11 @@ async def test_a_wait_cancelled_from_the_sidebar_says_so_in_one_line(jp_fetch, g
 
     (claim,) = await _until(pending, what="kernel 2 to queue")
     await asyncio.sleep(1)
+    return k2, waiting, claim, pending
+
+
+async def test_a_wait_cancelled_from_the_sidebar_says_so_in_one_line(jp_fetch, gpu_kernelspec, start_kernel):
+    k2, waiting, claim, pending = await _second_kernel_queues(jp_fetch, gpu_kernelspec, start_kernel)
     # What the sidebar's cancel does: the user releases the pending lease.
     assert (await api(jp_fetch, "leases", claim["id"], method="DELETE"))[0] == 204
     out = await waiting
@@ -198,18 +205,7 @@ async def test_a_wait_cancelled_from_the_sidebar_says_so_in_one_line(jp_fetch, g
 async def test_a_wait_the_server_ends_says_the_servers_reason_not_a_cancel(
     jp_fetch, gpu_kernelspec, start_kernel, arbiter
 ):
-    gpu_kernelspec("gpu")
-    k1 = await start_kernel("gpu")
-    assert (await k1.execute("x = 1"))["error"] is None  # holds the only GPU
-    k2 = await start_kernel("gpu")
-    waiting = asyncio.ensure_future(k2.execute("%gpu acquire", timeout=60))
-
-    async def pending():
-        code, leases = await api(jp_fetch, "leases", params={"kernel_id": k2.id})
-        return [le for le in leases if le["state"] == "pending"]
-
-    (claim,) = await _until(pending, what="kernel 2 to queue")
-    await asyncio.sleep(1)
+    k2, waiting, claim, pending = await _second_kernel_queues(jp_fetch, gpu_kernelspec, start_kernel)
     # The server ends the claim itself (as when the kernel's process is gone, or a restore fails).
     from jupyter_gpusched import core
 
